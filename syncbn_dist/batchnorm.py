@@ -1,0 +1,193 @@
+"""Synchronized BatchNorm modules that pick their transport at every forward."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .comm import (
+    DEFAULT_REPLICA_TIMEOUT,
+    DataParallelTransport,
+    SlavePipe,
+    SyncMaster,
+    distributed_transport,
+    new_sync_master,
+)
+from .functions import Transport, sync_batch_norm
+
+__all__ = ["SyncBatchNorm", "SynchronizedBatchNorm1d", "SynchronizedBatchNorm2d", "SynchronizedBatchNorm3d"]
+
+
+class SyncBatchNorm(_BatchNorm):
+    r"""Batch Normalization with statistics over the global batch of every process and replica.
+
+    Ioffe & Szegedy 2015, "Batch Normalization: Accelerating Deep Network Training by Reducing Internal
+    Covariate Shift", arXiv:1502.03167:
+
+    .. math::
+
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
+
+    where the mean and biased variance are taken per channel over the concatenation of the batches of
+    every member of the synchronization group, so the result equals ``nn.BatchNorm`` on that global batch:
+    outputs, input gradients and running statistics (``running_var`` gets the unbiased global variance).
+    Each member sends one float64 payload ``[count, sum(C), sumsq(C)]`` in forward and ``[sum(dy),
+    sum(dy * x_hat)]`` in backward, so uneven and empty shards are exact. ``weight`` and ``bias`` receive
+    the local gradient sums, which DistributedDataParallel averages, as with ``torch.nn.SyncBatchNorm``.
+
+    Args:
+        num_features: :math:`C` from an expected input of size :math:`(N, C, *)`.
+        eps: a value added to the denominator for numerical stability. Default: 1e-5
+        momentum: the value used for the running_mean and running_var computation; None for a cumulative
+            moving average over ``num_batches_tracked``. Default: 0.1
+        affine: whether the module has learnable affine parameters. Default: ``True``
+        track_running_stats: whether the module tracks running_mean and running_var; if ``False`` it uses
+            batch statistics in eval mode too. Default: ``True``
+        process_group: the ``torch.distributed`` group to synchronize over; None means the world group.
+            Default: ``None``
+        device, dtype: factory arguments for parameters and buffers. Default: ``None``
+
+    Shape:
+        - Input: :math:`(N, C, *)` with at least 2 dimensions; N may be 0 and may differ across members.
+        - Output: :math:`(N, C, *)` (same shape, dtype and memory format as input)
+
+    .. note::
+        The transport is chosen in every forward and reported by :attr:`last_transport`:
+
+        - ``"local"``: eval mode, or no peers. No communication; exactly ``nn.BatchNorm``. In eval mode
+          with ``track_running_stats=False`` the local batch statistics are used, as
+          ``torch.nn.SyncBatchNorm`` does, so evaluation never communicates (safe on one rank only).
+        - ``"dataparallel"``: this module is a replica of a ``DataParallelWithCallback`` (or a patched
+          ``nn.DataParallel``) with more than one replica. If ``torch.distributed`` is also initialized
+          with more than one process, the master replica also all-reduces over ``process_group``, so the
+          statistics cover every replica of every process.
+        - ``"distributed"``: training mode, ``torch.distributed`` initialized, and ``process_group`` has more
+          than one member. Works with gloo on CPU tensors and nccl on CUDA tensors.
+
+        Every member of the group must run the layer the same number of times in training mode.
+
+    Examples::
+
+        >>> model = syncbn_dist.convert_model(model)              # under torchrun
+        >>> model = nn.parallel.DistributedDataParallel(model)
+        >>> bn = syncbn_dist.SynchronizedBatchNorm2d(64)
+        >>> out = bn(torch.randn(8, 64, 14, 14))
+        >>> bn.last_transport
+        'local'
+    """
+
+    # Seconds a DataParallel replica waits for its peers at this layer before raising ReplicaSyncError.
+    replica_timeout: Optional[float] = DEFAULT_REPLICA_TIMEOUT
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Optional[Any] = None,
+        device: Optional[Union[torch.device, str]] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.process_group = process_group
+        # A one-element list, so DataParallel replicas (shallow copies of __dict__) report to the original.
+        self._transport_record: list[Optional[str]] = [None]
+        # Set on DataParallel replicas only, by __data_parallel_replicate__.
+        self._replica_exchange: Optional[Union[SyncMaster, SlavePipe]] = None
+
+    @property
+    def last_transport(self) -> Optional[str]:
+        """``"local"``, ``"distributed"`` or ``"dataparallel"``: what the last forward (of any replica) used.
+
+        None before the first forward. Read-only.
+        """
+        return self._transport_record[0]
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def _check_input(self, input: Tensor) -> None:
+        self._check_input_dim(input)
+        if not input.is_floating_point():
+            raise TypeError(f"expected a floating point input (got {input.dtype} input)")
+        if input.size(1) != self.num_features:
+            raise ValueError(
+                f"expected input with {self.num_features} channels in dim 1 (got input of shape "
+                f"{tuple(input.shape)}, with {input.size(1)} channels)"
+            )
+
+    def __data_parallel_replicate__(self, ctx: Any, copy_id: int) -> None:
+        """Replication callback (see :func:`syncbn_dist.execute_replication_callbacks`).
+
+        Replica 0 becomes the master of a fresh :class:`SyncMaster` shared through ``ctx``; the others
+        register with it as slaves.
+        """
+        if copy_id == 0:
+            ctx.sync_master = new_sync_master(self.replica_timeout)
+            self._replica_exchange = ctx.sync_master
+        else:
+            self._replica_exchange = ctx.sync_master.register_slave(copy_id)
+
+    def _select_transport(self) -> Optional[Transport]:
+        if not self.training:
+            return None
+        inner = distributed_transport(self.process_group)
+        exchange = self._replica_exchange
+        if exchange is not None and (isinstance(exchange, SlavePipe) or exchange.nr_slaves > 0):
+            return DataParallelTransport(exchange, inner)
+        return inner
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input(input)
+        transport = self._select_transport()
+        self._transport_record[0] = "local" if transport is None else transport.name
+        if transport is None:
+            return super().forward(input)
+
+        # DataParallel slaves leave the buffers to the master, whose buffers are the original module's.
+        owns_buffers = not isinstance(self._replica_exchange, SlavePipe)
+        track = self.track_running_stats and self.running_mean is not None and owns_buffers
+        momentum = 0.0
+        if track:
+            self.num_batches_tracked.add_(1)
+            momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        return sync_batch_norm(
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean if track else None,
+            self.running_var if track else None,
+            momentum,
+            self.eps,
+            transport,
+        )
+
+
+class SynchronizedBatchNorm1d(SyncBatchNorm):
+    """:class:`SyncBatchNorm` for (N, C) or (N, C, L) input, checked as ``nn.BatchNorm1d`` does."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() not in (2, 3):
+            raise ValueError(f"expected 2D or 3D input (got {input.dim()}D input)")
+
+
+class SynchronizedBatchNorm2d(SyncBatchNorm):
+    """:class:`SyncBatchNorm` for (N, C, H, W) input, checked as ``nn.BatchNorm2d`` does."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() != 4:
+            raise ValueError(f"expected 4D input (got {input.dim()}D input)")
+
+
+class SynchronizedBatchNorm3d(SyncBatchNorm):
+    """:class:`SyncBatchNorm` for (N, C, D, H, W) input, checked as ``nn.BatchNorm3d`` does."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() != 5:
+            raise ValueError(f"expected 5D input (got {input.dim()}D input)")

@@ -1,0 +1,237 @@
+"""DataParallel integration: replication callbacks, DataParallelWithCallback, and CPU thread replicas."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .comm import SyncMaster, run_replicas_in_threads
+
+__all__ = [
+    "CallbackContext",
+    "DataParallelWithCallback",
+    "execute_replication_callbacks",
+    "patch_replication_callback",
+]
+
+
+class CallbackContext:
+    """Shared by the replicas of one original submodule during a replication (e.g. holds its SyncMaster)."""
+
+
+def execute_replication_callbacks(replicas: Sequence[nn.Module]) -> None:
+    """Call ``__data_parallel_replicate__(ctx, copy_id)`` on every replica submodule that defines it.
+
+    Replica 0 is the master copy. Submodules at the same position in ``modules()`` order across replicas
+    share one :class:`CallbackContext`, so the master (copy_id 0, called first) can leave its
+    :class:`~syncbn_dist.comm.SyncMaster` there for the slaves. Works for replicas on any device, CPU
+    included, and for replicas that are later run in ordinary threads.
+
+    Args:
+        replicas: the replica modules, all structurally identical, replica 0 first.
+
+    Raises:
+        ValueError: if the replicas do not have the same number of submodules.
+    """
+    if not replicas:
+        return
+    module_lists = [list(replica.modules()) for replica in replicas]
+    if len({len(modules) for modules in module_lists}) != 1:
+        raise ValueError(
+            f"expected structurally identical replicas (got submodule counts {[len(m) for m in module_lists]})"
+        )
+    contexts = [CallbackContext() for _ in module_lists[0]]
+    for copy_id, modules in enumerate(module_lists):
+        for ctx, module in zip(contexts, modules):
+            if hasattr(module, "__data_parallel_replicate__"):
+                module.__data_parallel_replicate__(ctx, copy_id)
+
+
+def _abort_exchanges(replicas: Sequence[nn.Module], error: BaseException) -> None:
+    """Wake every replica blocked in a synchronized layer of this replication with ``error``."""
+    for module in replicas[0].modules():
+        exchange = module.__dict__.get("_replica_exchange")
+        if isinstance(exchange, SyncMaster):
+            exchange.abort(error)
+
+
+class _AbortPeersOnError:
+    """Calls a replica; if it raises, aborts the replication's exchanges before re-raising."""
+
+    def __init__(self, replica: nn.Module, replicas: Sequence[nn.Module]) -> None:
+        self.replica = replica
+        self.replicas = replicas
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.replica(*args, **kwargs)
+        except BaseException as error:
+            _abort_exchanges(self.replicas, error)
+            raise
+
+
+def _replicate_on_cpu(module: nn.Module, num_replicas: int) -> list[nn.Module]:
+    """Shallow replicas of ``module`` that alias its parameters and buffers, as nn.DataParallel's do.
+
+    Gradients of every replica accumulate into the original parameters; running statistics written by the
+    master replica land in the original buffers.
+    """
+    originals = list(module.modules())
+    index = {id(m): i for i, m in enumerate(originals)}
+    replicas = []
+    for _ in range(num_replicas):
+        copies = [m._replicate_for_data_parallel() for m in originals]
+        for original, copy in zip(originals, copies):
+            copy._parameters = dict(original._parameters)
+            for name, child in original._modules.items():
+                copy._modules[name] = None if child is None else copies[index[id(child)]]
+        replicas.append(copies[0])
+    return replicas
+
+
+def _scatter(obj: Any, num_chunks: int, dim: int) -> list[Any]:
+    """Split tensors along ``dim`` like nn.DataParallel's scatter (chunk sizes ceil(N / num_chunks)).
+
+    Non-tensor leaves are repeated. May return fewer than ``num_chunks`` parts for a small batch.
+    """
+    if isinstance(obj, Tensor):
+        return list(obj.chunk(num_chunks, dim))
+    if isinstance(obj, (list, tuple)) and obj:
+        parts = [_scatter(item, num_chunks, dim) for item in obj]
+        count = min(len(p) for p in parts)
+        if hasattr(obj, "_fields"):  # namedtuple
+            return [type(obj)(*(p[i] for p in parts)) for i in range(count)]
+        return [type(obj)(p[i] for p in parts) for i in range(count)]
+    if isinstance(obj, dict) and obj:
+        parts = {key: _scatter(value, num_chunks, dim) for key, value in obj.items()}
+        count = min(len(p) for p in parts.values())
+        return [type(obj)((key, p[i]) for key, p in parts.items()) for i in range(count)]
+    return [obj] * num_chunks
+
+
+def _gather(outputs: Sequence[Any], dim: int) -> Any:
+    """Concatenate replica outputs along ``dim`` (recursively through tuples, lists and dicts)."""
+    first = outputs[0]
+    if isinstance(first, Tensor):
+        return torch.cat(list(outputs), dim)
+    if first is None:
+        return None
+    if isinstance(first, dict):
+        return type(first)((key, _gather([o[key] for o in outputs], dim)) for key in first)
+    if isinstance(first, (list, tuple)):
+        gathered = [_gather(parts, dim) for parts in zip(*outputs)]
+        return type(first)(*gathered) if hasattr(first, "_fields") else type(first)(gathered)
+    return first
+
+
+class DataParallelWithCallback(nn.DataParallel):
+    """``nn.DataParallel`` whose replicate step runs the replication callbacks.
+
+    Synchronized layers use the callbacks to build their in-process master/slave exchange, so their
+    statistics cover the whole batch of the DataParallel call (and of every process, if
+    ``torch.distributed`` is initialized too). A replica that raises wakes its peers at once, so a failure
+    never leaves threads blocked.
+
+    Args:
+        module: the module to parallelize.
+        device_ids: CUDA devices. Default: all visible devices.
+        output_device: where outputs are gathered. Default: ``device_ids[0]``.
+        dim: the batch dimension to scatter along. Default: 0
+        cpu_replicas: run this many replicas of a CPU module in threads instead of using CUDA devices.
+            It exists for testing and parity (e.g. exercising DataParallel training code in CI without a
+            GPU), not for speed: the replicas share two cores' worth of kernels. Default: ``None``
+
+    Raises:
+        ValueError: if ``cpu_replicas`` is not a positive integer.
+
+    Examples::
+
+        >>> model = DataParallelWithCallback(convert_model(net), device_ids=[0, 1])
+        >>> model = DataParallelWithCallback(convert_model(net), cpu_replicas=2)  # no GPU needed
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Optional[Sequence[Any]] = None,
+        output_device: Optional[Any] = None,
+        dim: int = 0,
+        cpu_replicas: Optional[int] = None,
+    ) -> None:
+        if cpu_replicas is not None and (not isinstance(cpu_replicas, int) or cpu_replicas < 1):
+            raise ValueError(f"expected cpu_replicas to be a positive integer (got {cpu_replicas!r})")
+        super().__init__(module, device_ids, output_device, dim)
+        self.dim = dim
+        self.cpu_replicas = cpu_replicas
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[Any]) -> list[nn.Module]:
+        replicas = super().replicate(module, device_ids)
+        execute_replication_callbacks(replicas)
+        return replicas
+
+    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        return super().parallel_apply([_AbortPeersOnError(r, replicas) for r in replicas], inputs, kwargs)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.cpu_replicas is None:
+            return super().forward(*inputs, **kwargs)
+        return self._forward_cpu_replicas(inputs, kwargs)
+
+    def _forward_cpu_replicas(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+            if tensor.device.type != "cpu":
+                raise ValueError(f"cpu_replicas needs a module on the CPU (found a tensor on {tensor.device})")
+        scattered_inputs = _scatter(inputs, self.cpu_replicas, self.dim)
+        scattered_kwargs = _scatter(kwargs, self.cpu_replicas, self.dim) if kwargs else []
+        num = len(scattered_inputs) if not kwargs else min(len(scattered_inputs), len(scattered_kwargs))
+        if num == 0:
+            return self.module(*inputs, **kwargs)
+        scattered_kwargs = scattered_kwargs[:num] if kwargs else [{}] * num
+        replicas = _replicate_on_cpu(self.module, num)
+        execute_replication_callbacks(replicas)
+        outputs = run_replicas_in_threads(
+            replicas, scattered_inputs[:num], scattered_kwargs, functools.partial(_abort_exchanges, replicas)
+        )
+        return _gather(outputs, self.dim)
+
+
+def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
+    """Make an existing ``nn.DataParallel`` run the replication callbacks, in place.
+
+    Afterwards it behaves like :class:`DataParallelWithCallback` (callbacks at replicate time, peers
+    woken when a replica fails).
+
+    Args:
+        data_parallel: the instance to patch.
+
+    Raises:
+        TypeError: if ``data_parallel`` is not an ``nn.DataParallel``.
+
+    Examples::
+
+        >>> model = nn.DataParallel(convert_model(net), device_ids=[0, 1])
+        >>> patch_replication_callback(model)
+    """
+    if not isinstance(data_parallel, nn.DataParallel):
+        raise TypeError(f"expected an nn.DataParallel (got {type(data_parallel).__name__})")
+    if isinstance(data_parallel, DataParallelWithCallback) or getattr(data_parallel, "_replication_patched", False):
+        return  # already runs the callbacks; running them twice would register every slave twice
+    data_parallel._replication_patched = True
+    old_replicate = data_parallel.replicate
+    old_parallel_apply = data_parallel.parallel_apply
+
+    @functools.wraps(old_replicate)
+    def new_replicate(module: nn.Module, device_ids: Sequence[Any]) -> list[nn.Module]:
+        replicas = old_replicate(module, device_ids)
+        execute_replication_callbacks(replicas)
+        return replicas
+
+    @functools.wraps(old_parallel_apply)
+    def new_parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        return old_parallel_apply([_AbortPeersOnError(r, replicas) for r in replicas], inputs, kwargs)
+
+    data_parallel.replicate = new_replicate
+    data_parallel.parallel_apply = new_parallel_apply
