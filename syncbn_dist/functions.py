@@ -1,4 +1,4 @@
-"""Synchronized batch-norm math: the autograd Functions and the per-channel statistics they share.
+r"""Synchronized batch-norm math: the autograd Functions and the per-channel statistics they share.
 
 The forward pass of one synchronized layer is
 
@@ -83,10 +83,11 @@ def _stable_biased_var(input: Tensor, dims: list[int]) -> Tensor:
     """
     if input.device.type == "cpu" and input.dim() > 2 and input.is_contiguous():
         num_features = input.size(1)
-        # Float32 scratch buffers make the kernel return float32 statistics for reduced-precision input;
-        # momentum 0 leaves them untouched.
-        scratch_mean = torch.zeros(num_features, dtype=torch.float32, device=input.device)
-        scratch_var = torch.ones(num_features, dtype=torch.float32, device=input.device)
+        # Scratch buffers in the statistics dtype (float32 for reduced-precision input, else the input's:
+        # the kernel rejects float32 buffers with float64 input); momentum 0 leaves them untouched.
+        stat_dtype = _stat_dtype(input)
+        scratch_mean = torch.zeros(num_features, dtype=stat_dtype, device=input.device)
+        scratch_var = torch.ones(num_features, dtype=stat_dtype, device=input.device)
         return torch.batch_norm_update_stats(input, scratch_mean, scratch_var, 0.0)[1]
     if input.dtype in (torch.float16, torch.bfloat16):
         input = input.float()
