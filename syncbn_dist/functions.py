@@ -79,9 +79,12 @@ def _stable_biased_var(input: Tensor, dims: list[int]) -> Tensor:
 
     On CPU the native batch-norm statistics kernel is a fast two-pass reduction for (N, C, *) contiguous
     input with spatial dims, but accumulates E[x^2] - E[x]^2 for (N, C) and channels_last layouts, which
-    loses digits at large |mean|/std; those layouts use torch.var_mean (Welford) instead.
+    loses digits at large |mean|/std; those layouts use torch.var_mean (Welford) instead. Float16/bfloat16
+    input always takes the native kernel with float32 accumulation: its own rounding (2^-8 or 2^-11)
+    dwarfs the kernel's, and this avoids a float32 copy of the activations.
     """
-    if input.device.type == "cpu" and input.dim() > 2 and input.is_contiguous():
+    reduced_precision = input.dtype in (torch.float16, torch.bfloat16)
+    if reduced_precision or (input.device.type == "cpu" and input.dim() > 2 and input.is_contiguous()):
         num_features = input.size(1)
         # Scratch buffers in the statistics dtype (float32 for reduced-precision input, else the input's:
         # the kernel rejects float32 buffers with float64 input); momentum 0 leaves them untouched.
@@ -89,8 +92,6 @@ def _stable_biased_var(input: Tensor, dims: list[int]) -> Tensor:
         scratch_mean = torch.zeros(num_features, dtype=stat_dtype, device=input.device)
         scratch_var = torch.ones(num_features, dtype=stat_dtype, device=input.device)
         return torch.batch_norm_update_stats(input, scratch_mean, scratch_var, 0.0)[1]
-    if input.dtype in (torch.float16, torch.bfloat16):
-        input = input.float()
     return torch.var_mean(input, dim=dims, correction=0)[0]
 
 
