@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from collections import deque
+from typing import Any, Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -99,6 +101,9 @@ class SyncBatchNorm(_BatchNorm):
         self._transport_record: list[Optional[str]] = [None]
         # Set on DataParallel replicas only, by __data_parallel_replicate__.
         self._replica_exchange: Optional[Union[SyncMaster, SlavePipe]] = None
+        # Process groups on which the members were found to agree on num_features and dtype (shared by
+        # replicas, like _transport_record).
+        self._verified_groups: set[Any] = set()
 
     @property
     def last_transport(self) -> Optional[str]:
@@ -133,6 +138,8 @@ class SyncBatchNorm(_BatchNorm):
             self._replica_exchange = ctx.sync_master
         else:
             self._replica_exchange = ctx.sync_master.register_slave(copy_id)
+        # Totals of this replica's forwards, replayed if activation checkpointing recomputes them.
+        self._replay_stash: deque[list[Tensor]] = deque()
 
     def _select_transport(self) -> Optional[Transport]:
         if not self.training:
@@ -147,9 +154,19 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input(input)
         transport = self._select_transport()
         self._transport_record[0] = "local" if transport is None else transport.name
+        if _is_recomputing():
+            return self._recompute_forward(input, transport)
         if transport is None:
             return super().forward(input)
+        return self._sync_forward(input, transport)
 
+    @torch.compiler.disable
+    def _sync_forward(self, input: Tensor, transport: Transport) -> Tensor:
+        # Outside torch.compile graphs: the collective, the host-side count check and the Python-level
+        # bookkeeping would break the graph anyway; the local path (F.batch_norm) compiles normally.
+        transport.verify_agreement(
+            f"num_features={self.num_features} dtype={input.dtype}", self._describe(), self._verified_groups
+        )
         # DataParallel slaves leave the buffers to the master, whose buffers are the original module's.
         owns_buffers = not isinstance(self._replica_exchange, SlavePipe)
         track = self.track_running_stats and self.running_mean is not None and owns_buffers
@@ -157,6 +174,8 @@ class SyncBatchNorm(_BatchNorm):
         if track:
             self.num_batches_tracked.add_(1)
             momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        if self._replica_exchange is not None:
+            transport = _Recording(transport, self._replay_stash)
         return sync_batch_norm(
             input,
             self.weight,
@@ -167,6 +186,72 @@ class SyncBatchNorm(_BatchNorm):
             self.eps,
             transport,
         )
+
+    @torch.compiler.disable
+    def _recompute_forward(self, input: Tensor, transport: Optional[Transport]) -> Tensor:
+        """The forward re-run by activation checkpointing inside backward.
+
+        It normalizes with the statistics of the original forward and leaves running_mean, running_var and
+        num_batches_tracked alone (plain nn.BatchNorm updates them a second time here). On the local path
+        the batch statistics are recomputed from the identical input; over a process group the same
+        collective runs again on every member (all of them recompute in the same order); DataParallel
+        replicas, whose backward runs in one thread where no exchange is possible, replay the totals
+        recorded in the original forward.
+        """
+        if transport is None:
+            if not (self.training and self.track_running_stats and self.running_mean is not None):
+                return super().forward(input)  # no buffer update happens on this path anyway
+            # Throw-away copies keep the buffers untouched while saving the same tensors for backward as
+            # the original forward did (checkpointing compares the two).
+            return F.batch_norm(
+                input, self.running_mean.clone(), self.running_var.clone(), self.weight, self.bias, True, 0.0, self.eps
+            )
+        if self._replica_exchange is not None:
+            transport = _Replay(transport.name, self._replay_stash)
+        return sync_batch_norm(input, self.weight, self.bias, None, None, 0.0, self.eps, transport)
+
+    def _describe(self) -> str:
+        name = self.__dict__.get("_qualified_name") or "<unnamed>"
+        return f"{name} ({type(self).__name__}, num_features={self.num_features})"
+
+
+def _is_recomputing() -> bool:
+    """True while autograd runs a backward pass, where a module forward is a checkpoint recomputation."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Recording:
+    """Wraps a transport and records its totals for :class:`_Replay` (DataParallel replicas only)."""
+
+    def __init__(self, transport: Transport, stash: "deque[list[Tensor]]") -> None:
+        self.name = transport.name
+        self._transport = transport
+        self._stash = stash
+
+    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        totals = self._transport.all_reduce(tensors)
+        if torch.is_grad_enabled():
+            self._stash.append([t.detach() for t in totals])
+        return totals
+
+    def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None:
+        self._transport.verify_agreement(key, description, verified)
+
+
+class _Replay:
+    """A transport that returns the totals recorded by :class:`_Recording`, oldest first, without talking."""
+
+    def __init__(self, name: str, stash: "deque[list[Tensor]]") -> None:
+        self.name = name
+        self._stash = stash
+
+    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        if not self._stash:
+            raise RuntimeError("activation checkpointing recomputed a synchronized layer that never ran forward")
+        return self._stash.popleft()
+
+    def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None:
+        return None
 
 
 class SynchronizedBatchNorm1d(SyncBatchNorm):

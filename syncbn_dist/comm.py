@@ -27,10 +27,14 @@ __all__ = [
     "DataParallelTransport",
     "DistributedTransport",
     "FutureResult",
+    "LayerMismatchError",
+    "ReplicaSyncError",
     "SlavePipe",
     "SyncMaster",
     "distributed_transport",
+    "is_debug_enabled",
     "run_replicas_in_threads",
+    "set_debug",
 ]
 
 # How long a replica waits for the others at one synchronized layer before giving up (seconds).
@@ -72,6 +76,54 @@ class _AllReduceCoalesced(Function):
         return (None, *result)
 
 
+# Debug-mode call numbers per process group (this process's count of synchronized collectives on it).
+_DEBUG_CALLS: dict[Any, int] = {}
+_DEBUG = os.environ.get("SYNCBN_DEBUG", "0").strip().lower() not in ("", "0", "false", "no", "off")
+# Bytes per rank in the debug/handshake record gathered from every member.
+_RECORD_BYTES = 256
+
+
+def set_debug(enabled: bool) -> None:
+    """Turn debug mode on or off for this process (also on with the environment variable ``SYNCBN_DEBUG=1``).
+
+    In debug mode every synchronized collective is preceded by one small ``all_gather`` that checks that
+    all members are at the same layer (call number, layer name, num_features, dtype); on a mismatch every
+    member raises :class:`LayerMismatchError` naming each rank's layer, instead of hanging or mixing
+    statistics. Off by default; when off it costs nothing.
+    """
+    global _DEBUG
+    _DEBUG = bool(enabled)
+
+
+def is_debug_enabled() -> bool:
+    """Whether debug mode is on (see :func:`set_debug`)."""
+    return _DEBUG
+
+
+class LayerMismatchError(ValueError):
+    """Members of a synchronization group reached different synchronized layers (raised on every member)."""
+
+
+def _gather_records(record: str, group: Any) -> list[str]:
+    """All-gather one short string per member as a fixed-size byte tensor (one collective)."""
+    data = record.encode("utf-8")[:_RECORD_BYTES]
+    mine = torch.zeros(_RECORD_BYTES, dtype=torch.uint8)
+    mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    mine = mine.to(device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode("utf-8", "replace") for t in gathered]
+
+
+def _describe_disagreement(records: list[str], group: Any) -> str:
+    ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(len(records))]
+    lines = [f"  rank {rank}: {record}" for rank, record in zip(ranks, records)]
+    differing = [rank for rank, record in zip(ranks, records) if record != records[0]]
+    return "\n".join(lines) + f"\nranks {differing} differ from rank {ranks[0]}"
+
+
 class DistributedTransport:
     """Sums over the members of a ``torch.distributed`` process group with one ``all_reduce`` per call.
 
@@ -88,6 +140,37 @@ class DistributedTransport:
 
     def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         return list(_AllReduceCoalesced.apply(self.process_group, *tensors))
+
+    def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None:
+        """Raise :class:`LayerMismatchError` on every member unless all members present the same ``key``.
+
+        Without debug mode the check runs once per (process group, caller): ``verified`` remembers the
+        groups already checked, so the steady state costs nothing. In debug mode it runs at every call,
+        prefixed with this group's call number, so a member that skipped or reordered a layer is caught
+        at the next call. Every member compares the same gathered records, so all reach the same verdict.
+
+        Args:
+            key: what must agree (e.g. num_features and dtype), short text.
+            description: names the caller in the error (e.g. the layer's qualified name).
+            verified: the caller's record of groups already checked.
+        """
+        group = self.process_group
+        group_key = "world" if group is None else id(group)
+        if not _DEBUG and group_key in verified:
+            return
+        if _DEBUG:
+            call = _DEBUG_CALLS.get(group_key, 0) + 1
+            _DEBUG_CALLS[group_key] = call
+            key = f"call #{call}: {key}"
+        records = _gather_records(f"{key} | {description}", group)
+        keys = [record.split(" | ", 1)[0] for record in records]
+        if any(k != keys[0] for k in keys):
+            hint = "" if _DEBUG else " (set SYNCBN_DEBUG=1 to check every call)"
+            raise LayerMismatchError(
+                "synchronized BatchNorm layers disagree across the members of the process group" + hint + ":\n"
+                + _describe_disagreement(records, group)
+            )
+        verified.add(group_key)
 
 
 def distributed_transport(process_group: Optional[Any]) -> Optional[DistributedTransport]:
@@ -282,6 +365,11 @@ class DataParallelTransport:
         if isinstance(self.exchange, SyncMaster):
             return self.exchange.run_master((list(tensors), self.inner))
         return self.exchange.run_slave((list(tensors), None))
+
+    def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None:
+        """Replicas of one module always agree; the master checks the process group, if any."""
+        if self.inner is not None and isinstance(self.exchange, SyncMaster):
+            self.inner.verify_agreement(key, description, verified)
 
 
 def sum_replica_messages(intermediates: list[tuple[int, Any]]) -> list[tuple[int, list[Tensor]]]:

@@ -41,6 +41,8 @@ class Transport(Protocol):
 
     def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]: ...
 
+    def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None: ...
+
 
 def _channel_view(stat: Tensor, input: Tensor) -> Tensor:
     """Reshape a per-channel vector (C,) to broadcast against ``input`` of shape (N, C, *)."""
