@@ -210,8 +210,12 @@ class _Normalize(Function):
             sum_dy_xhat, sum_dy = torch.zeros_like(mean), torch.zeros_like(mean)
         else:
             ones = torch.ones_like(mean) if weight is None else _as_stat(weight, mean)
+            # The CPU kernel mis-reduces a channels_last input whose batch stride is not the canonical one
+            # (N == 1: the alias gets strides like (3, 1, 6, 3)) with a grad_output in another layout, so the
+            # grad_output is laid out like the input (a no-op when they already match).
+            grad_output_like_input = grad_output.contiguous(memory_format=_memory_format(input))
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                grad_output, input, ones, mean, var, None, None, False, ctx.eps, [False, True, True]
+                grad_output_like_input, input, ones, mean, var, None, None, False, ctx.eps, [False, True, True]
             )
         grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
@@ -287,6 +291,16 @@ def sync_batch_norm(
         link.weight = None if weight is None else weight.detach()
         stat_dtype = _stat_dtype(input)
     return _Normalize.apply(alias, weight, bias, moments, mean.to(stat_dtype), var.to(stat_dtype), eps)
+
+
+def _memory_format(input: Tensor) -> torch.memory_format:
+    """channels_last(_3d) for a channels-last input that is not also plain contiguous, else contiguous_format."""
+    if not input.is_contiguous():
+        if input.dim() == 4 and input.is_contiguous(memory_format=torch.channels_last):
+            return torch.channels_last
+        if input.dim() == 5 and input.is_contiguous(memory_format=torch.channels_last_3d):
+            return torch.channels_last_3d
+    return torch.contiguous_format
 
 
 def _stat_dtype(input: Tensor) -> torch.dtype:

@@ -213,13 +213,18 @@ def test_sync_batch_norm_gradcheck(affine: bool, shape: tuple[int, ...]) -> None
 
 
 @pytest.mark.parametrize("ndim", [4, 5])
-def test_channels_last_in_channels_last_out(ndim: int) -> None:
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("grad_channels_last", [True, False])
+def test_channels_last_in_channels_last_out(ndim: int, batch: int, grad_channels_last: bool) -> None:
+    # batch 1 with a contiguous grad_output once hit a CPU kernel bug (wrong sum(dy), sum(dy * x_hat)).
     fmt = torch.channels_last if ndim == 4 else torch.channels_last_3d
-    shape = (3, 4, 3, 2) if ndim == 4 else (2, 4, 2, 3, 2)
+    shape = (batch, 4, 3, 2) if ndim == 4 else (batch, 4, 2, 3, 2)
     x = _data(shape, mean=1.0, seed=12).float().contiguous(memory_format=fmt).requires_grad_()
     weight, bias = _param(4, 13, torch.float32, 1.0), _param(4, 14, torch.float32, 0.0)
     out = sync_batch_norm(x, weight, bias, None, None, 0.0, 1e-5, _SoloTransport())
-    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(15)).contiguous(memory_format=fmt)
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(15))
+    if grad_channels_last:
+        grad_out = grad_out.contiguous(memory_format=fmt)
     out.backward(grad_out)
     assert out.is_contiguous(memory_format=fmt)
     assert x.grad.is_contiguous(memory_format=fmt)
