@@ -1,12 +1,14 @@
 """syncbn_dist: exact synchronized BatchNorm over torch.distributed, nn.DataParallel replicas, or both."""
 
 from .batchnorm import SyncBatchNorm, SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
-from .comm import ReplicaSyncError
+from .comm import LayerMismatchError, ReplicaSyncError, is_debug_enabled, new_sync_groups, set_debug
 from .convert import convert_model, revert_model
 from .replicate import DataParallelWithCallback, execute_replication_callbacks, patch_replication_callback
+from .running_stats import sync_running_stats
 
 __all__ = [
     "DataParallelWithCallback",
+    "LayerMismatchError",
     "ReplicaSyncError",
     "SyncBatchNorm",
     "SynchronizedBatchNorm1d",
@@ -14,6 +16,10 @@ __all__ = [
     "SynchronizedBatchNorm3d",
     "convert_model",
     "execute_replication_callbacks",
+    "is_debug_enabled",
+    "new_sync_groups",
     "patch_replication_callback",
     "revert_model",
+    "set_debug",
+    "sync_running_stats",
 ]

@@ -212,7 +212,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _describe(self) -> str:
         name = self.__dict__.get("_qualified_name") or "<unnamed>"
-        return f"{name} ({type(self).__name__}, num_features={self.num_features})"
+        return f"layer '{name}' ({type(self).__name__})"
 
 
 def _is_recomputing() -> bool:
@@ -223,7 +223,7 @@ def _is_recomputing() -> bool:
 class _Recording:
     """Wraps a transport and records its totals for :class:`_Replay` (DataParallel replicas only)."""
 
-    def __init__(self, transport: Transport, stash: "deque[list[Tensor]]") -> None:
+    def __init__(self, transport: Transport, stash: deque[list[Tensor]]) -> None:
         self.name = transport.name
         self._transport = transport
         self._stash = stash
@@ -241,7 +241,7 @@ class _Recording:
 class _Replay:
     """A transport that returns the totals recorded by :class:`_Recording`, oldest first, without talking."""
 
-    def __init__(self, name: str, stash: "deque[list[Tensor]]") -> None:
+    def __init__(self, name: str, stash: deque[list[Tensor]]) -> None:
         self.name = name
         self._stash = stash
 

@@ -32,7 +32,11 @@ __all__ = [
     "SlavePipe",
     "SyncMaster",
     "distributed_transport",
+    "all_reduce_mean_",
+    "broadcast_from_first_",
+    "group_needs_sync",
     "is_debug_enabled",
+    "new_sync_groups",
     "run_replicas_in_threads",
     "set_debug",
 ]
@@ -79,8 +83,9 @@ class _AllReduceCoalesced(Function):
 # Debug-mode call numbers per process group (this process's count of synchronized collectives on it).
 _DEBUG_CALLS: dict[Any, int] = {}
 _DEBUG = os.environ.get("SYNCBN_DEBUG", "0").strip().lower() not in ("", "0", "false", "no", "off")
-# Bytes per rank in the debug/handshake record gathered from every member.
+# Bytes per rank in the debug/handshake record gathered from every member, and its field separator.
 _RECORD_BYTES = 256
+_SEPARATOR = "\x1f"
 
 
 def set_debug(enabled: bool) -> None:
@@ -117,10 +122,11 @@ def _gather_records(record: str, group: Any) -> list[str]:
     return [bytes(t.cpu().tolist()).rstrip(b"\0").decode("utf-8", "replace") for t in gathered]
 
 
-def _describe_disagreement(records: list[str], group: Any) -> str:
+def _describe_disagreement(records: list[list[str]], group: Any) -> str:
+    """One line per member from ``[compared, display]`` records, then which ranks differ from the first."""
     ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(len(records))]
-    lines = [f"  rank {rank}: {record}" for rank, record in zip(ranks, records)]
-    differing = [rank for rank, record in zip(ranks, records) if record != records[0]]
+    lines = [f"  rank {rank}: {record[-1]}" for rank, record in zip(ranks, records)]
+    differing = [rank for rank, record in zip(ranks, records) if record[0] != records[0][0]]
     return "\n".join(lines) + f"\nranks {differing} differ from rank {ranks[0]}"
 
 
@@ -158,13 +164,16 @@ class DistributedTransport:
         group_key = "world" if group is None else id(group)
         if not _DEBUG and group_key in verified:
             return
+        display = f"{description}: {key}"
+        compared = key
         if _DEBUG:
+            # The call number catches a member that skipped or added a layer; the name, one that reordered.
             call = _DEBUG_CALLS.get(group_key, 0) + 1
             _DEBUG_CALLS[group_key] = call
-            key = f"call #{call}: {key}"
-        records = _gather_records(f"{key} | {description}", group)
-        keys = [record.split(" | ", 1)[0] for record in records]
-        if any(k != keys[0] for k in keys):
+            display = f"call #{call} at {display}"
+            compared = display
+        records = [r.split(_SEPARATOR, 1) for r in _gather_records(f"{compared}{_SEPARATOR}{display}", group)]
+        if any(record[0] != records[0][0] for record in records):
             hint = "" if _DEBUG else " (set SYNCBN_DEBUG=1 to check every call)"
             raise LayerMismatchError(
                 "synchronized BatchNorm layers disagree across the members of the process group" + hint + ":\n"
@@ -196,6 +205,61 @@ def distributed_transport(process_group: Optional[Any]) -> Optional[DistributedT
     if dist.get_world_size(group) <= 1:
         return None
     return DistributedTransport(process_group)
+
+
+def new_sync_groups(group_size: int) -> Any:
+    """Split the world into process groups of ``group_size`` consecutive ranks and return this rank's.
+
+    Pass the result to ``convert_model(model, process_group=...)`` to synchronize BatchNorm within each
+    group of k ranks (e.g. within a node) instead of over the whole world. Every rank must call this, in
+    the same order relative to other group creations, since creating a group is collective. Built on
+    ``torch.distributed.new_subgroups``.
+
+    Args:
+        group_size: ranks per group; must divide the world size.
+
+    Returns:
+        The process group (ranks ``[r - r % k, r - r % k + k)`` for rank r) this rank belongs to.
+
+    Raises:
+        RuntimeError: if ``torch.distributed`` is not initialized.
+        ValueError: if ``group_size`` is not a positive integer or does not divide the world size (raised
+            on every rank before any group is created, since all ranks see the same world size).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("new_sync_groups needs an initialized default process group (init_process_group)")
+    world_size = dist.get_world_size()
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"expected group_size to be a positive integer (got {group_size!r})")
+    if world_size % group_size != 0:
+        raise ValueError(
+            f"world_size {world_size} is not divisible by group_size {group_size}; choose a divisor of "
+            f"{world_size}"
+        )
+    group, _ = dist.new_subgroups(group_size)
+    return group
+
+
+def all_reduce_mean_(tensor: Tensor, process_group: Optional[Any] = None) -> Tensor:
+    """Replace ``tensor`` in place by its mean over the members of ``process_group`` (one collective)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=process_group)
+    return tensor.div_(dist.get_world_size(process_group))
+
+
+def broadcast_from_first_(tensor: Tensor, process_group: Optional[Any] = None) -> Tensor:
+    """Replace ``tensor`` in place by the first member's copy (group rank 0; one collective)."""
+    source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+    dist.broadcast(tensor, src=source, group=process_group)
+    return tensor
+
+
+def group_needs_sync(process_group: Optional[Any] = None) -> bool:
+    """True if ``torch.distributed`` is initialized and ``process_group`` has more than one member.
+
+    Raises:
+        ValueError: if this rank is not a member of ``process_group``.
+    """
+    return distributed_transport(process_group) is not None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -251,7 +315,7 @@ class SlavePipe(NamedTuple):
     """A slave replica's end of a :class:`SyncMaster`: send a message, wait for the master's answer."""
 
     identifier: int
-    queue: "queue.Queue[Any]"
+    queue: queue.Queue[Any]
     result: FutureResult
     timeout: Optional[float]
 
@@ -288,7 +352,7 @@ class SyncMaster:
     ) -> None:
         self._master_callback = master_callback
         self.timeout = timeout
-        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._queue: queue.Queue[Any] = queue.Queue()
         self._registry: dict[int, FutureResult] = {}
 
     @property
@@ -390,7 +454,10 @@ def sum_replica_messages(intermediates: list[tuple[int, Any]]) -> list[tuple[int
         totals.append(total)
     if inner is not None:
         totals = inner.all_reduce(totals)
-    return [(copy_id, [t.to(tensors[i].device) for i, t in enumerate(totals)]) for copy_id, (tensors, _) in intermediates]
+    return [
+        (copy_id, [total.to(tensor.device) for total, tensor in zip(totals, tensors)])
+        for copy_id, (tensors, _) in intermediates
+    ]
 
 
 def new_sync_master(timeout: Optional[float] = DEFAULT_REPLICA_TIMEOUT) -> SyncMaster:

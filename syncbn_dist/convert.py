@@ -40,19 +40,22 @@ def _rebuild(old: nn.Module, new_cls: type[nn.Module], **kwargs: Any) -> nn.Modu
     return new
 
 
-def _convert_layer(module: nn.Module, process_group: Optional[Any]) -> Optional[nn.Module]:
+def _convert_layer(module: nn.Module, name: str, process_group: Optional[Any]) -> Optional[nn.Module]:
     if isinstance(module, SyncBatchNorm):
         if process_group is not None:
             module.process_group = process_group
+        module._qualified_name = name
         return None
     for source, target in _TO_SYNC:
         if isinstance(module, source):
             group = process_group if process_group is not None else getattr(module, "process_group", None)
-            return _rebuild(module, target, process_group=group)
+            layer = _rebuild(module, target, process_group=group)
+            layer._qualified_name = name  # names the layer in mismatch errors (see syncbn_dist.set_debug)
+            return layer
     return None
 
 
-def _revert_layer(module: nn.Module) -> Optional[nn.Module]:
+def _revert_layer(module: nn.Module, name: str) -> Optional[nn.Module]:
     for source, target in _TO_PLAIN:
         if isinstance(module, source):
             kwargs = {"process_group": module.process_group} if target is nn.SyncBatchNorm else {}
@@ -60,14 +63,14 @@ def _revert_layer(module: nn.Module) -> Optional[nn.Module]:
     return None
 
 
-def _swap_layers(module: nn.Module, swap: Any) -> nn.Module:
-    replacement = swap(module)
+def _swap_layers(module: nn.Module, swap: Any, name: str = "") -> nn.Module:
+    replacement = swap(module, name)
     if replacement is not None:
         return replacement
-    for name, child in module.named_children():
-        new_child = _swap_layers(child, swap)
+    for child_name, child in module.named_children():
+        new_child = _swap_layers(child, swap, f"{name}.{child_name}" if name else child_name)
         if new_child is not child:
-            module._modules[name] = new_child
+            module._modules[child_name] = new_child
     return module
 
 
@@ -110,7 +113,7 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None) -> nn.
             dim=getattr(module, "dim", 0),
             cpu_replicas=getattr(module, "cpu_replicas", None),
         )
-    return _swap_layers(module, lambda m: _convert_layer(m, process_group))
+    return _swap_layers(module, lambda m, name: _convert_layer(m, name, process_group))
 
 
 def revert_model(module: nn.Module) -> nn.Module:
