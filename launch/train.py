@@ -1,0 +1,704 @@
+"""Train a small BatchNorm CNN on scikit-learn's digits with synchronized BatchNorm.
+
+Commands (from the repository root)::
+
+    make train                       # = .venv/bin/torchrun --standalone --nproc_per_node=2 launch/train.py \
+                                     #       --config configs/digits.yaml
+    make train-dp                    # = .venv/bin/python launch/train.py --config configs/digits_dp.yaml
+    torchrun --standalone --nproc_per_node=2 launch/train.py --config configs/digits.yaml \
+        --set train.epochs=3 --set output_dir=outputs/quick
+    python launch/train.py --help
+
+``parallel: ddp`` runs one process per rank under torchrun: the BatchNorm layers are converted with
+:func:`syncbn_dist.convert_model` and the model is wrapped in DistributedDataParallel (world_size > 1
+only). ``parallel: dataparallel`` runs one process with :class:`syncbn_dist.DataParallelWithCallback`
+over every CUDA device, or over ``cpu_replicas`` CPU thread replicas when there is no GPU.
+
+The config is validated completely (unknown keys, types, ranges, launch mode) before any process group
+starts. Rank 0 logs, writes ``config.yaml`` (the resolved config), ``metrics.json`` (after every epoch)
+and ``checkpoint.pt`` (at the end, atomically) under ``output_dir``. Before saving, every rank's
+parameters and running statistics are all-gathered and compared; the job fails if they differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import types
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
+
+import torch
+import torch.distributed as dist
+import yaml
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from tqdm import tqdm
+
+import syncbn_dist
+from syncbn_dist import SyncBatchNorm
+
+log = logging.getLogger("train")
+
+# ---------------------------------------------------------------------------------------------------------
+# Config: dataclasses with a typed default for every key; range rules live next to the defaults.
+# ---------------------------------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """A bad config file, key, type, value or launch mode; raised before any process group starts."""
+
+
+def _rule(text: str, check: Callable[[Any], bool]) -> dict[str, Any]:
+    """Field metadata: the value must satisfy ``check``; ``text`` says how (e.g. "> 0")."""
+    return {"rule": (text, check)}
+
+
+def _positive(default: Any) -> Any:
+    return field(default=default, metadata=_rule("> 0", lambda v: v > 0))
+
+
+def _non_negative(default: Any) -> Any:
+    return field(default=default, metadata=_rule(">= 0", lambda v: v >= 0))
+
+
+def _fraction(default: float, text: str, check: Callable[[float], bool]) -> Any:
+    return field(default=default, metadata=_rule(text, check))
+
+
+@dataclass
+class DataConfig:
+    """The digits data (scikit-learn's bundled 1,797 8x8 images) and its loaders."""
+
+    batch_size: int = _positive(16)  # per rank (ddp) or per replica (dataparallel): what each BatchNorm sees
+    eval_batch_size: int = _positive(512)
+    test_fraction: float = _fraction(0.2, "in (0, 1)", lambda v: 0 < v < 1)
+    split_seed: int = 0  # the stratified train/test split; fixed so every run and rank sees the same split
+
+
+@dataclass
+class ModelConfig:
+    """The CNN: three conv-BatchNorm2d blocks and a Linear-BatchNorm1d head."""
+
+    width: int = _positive(32)  # channels of the first block; later layers use 2x and 4x
+    dropout: float = _fraction(0.1, "in [0, 1)", lambda v: 0 <= v < 1)
+    bn_momentum: float = _fraction(0.1, "in (0, 1]", lambda v: 0 < v <= 1)
+
+
+@dataclass
+class TrainConfig:
+    """SGD with Nesterov momentum and a per-epoch cosine learning-rate schedule."""
+
+    epochs: int = _positive(12)
+    lr: float = _non_negative(0.1)  # for the global batch (all ranks/replicas together)
+    momentum: float = _fraction(0.9, "in [0, 1)", lambda v: 0 <= v < 1)
+    weight_decay: float = _non_negative(5.0e-4)
+
+
+@dataclass
+class Config:
+    """The whole job. Every key has a typed default here; YAML files and ``--set`` only override.
+
+    Field annotations are evaluated at runtime (``get_type_hints``) to check types: on Python 3.9 write
+    ``Optional[X]`` in them, not ``X | None``.
+    """
+
+    output_dir: str = "outputs/digits"
+    seed: int = 0
+    parallel: Literal["ddp", "dataparallel"] = "ddp"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    cpu_replicas: int = _positive(2)  # dataparallel without CUDA: this many CPU thread replicas
+    timeout_s: float = _positive(300.0)  # collective timeout of the process group
+    progress_bar: bool = True
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# Optional[X] and, on Python >= 3.10, X | None.
+_UNIONS = (Union, types.UnionType) if hasattr(types, "UnionType") else (Union,)
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if get_origin(tp) in _UNIONS:
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    return "None" if tp is type(None) else tp.__name__
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return value in get_args(tp)
+    if origin in _UNIONS:
+        return any(_matches(value, arg) for arg in get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is float:  # YAML writes 1.0 as 1; bool is an int subclass but never a number here
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _build(cls: type, values: Any, prefix: str = "") -> Any:
+    """An instance of the dataclass ``cls`` from a (nested) mapping, checking keys, types and ranges."""
+    if not isinstance(values, dict):
+        where = prefix.rstrip(".") or "the config file"
+        raise ConfigError(f"{where}: expected a mapping of keys (got {type(values).__name__} {values!r})")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            raise ConfigError(f"unknown config key '{key}' (known keys here: {', '.join(sorted(fields))})")
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, f"{key}.")
+            continue
+        if not _matches(value, tp):
+            hint = ""
+            if tp is float and isinstance(value, str):
+                hint = "; PyYAML reads 1e-3 as a string, write 1.0e-3"
+            raise ConfigError(
+                f"config key '{key}': expected {_type_name(tp)} (got {type(value).__name__} {value!r}{hint})"
+            )
+        if tp is float:
+            value = float(value)
+        rule = fields[name].metadata.get("rule")
+        if rule is not None and not rule[1](value):
+            raise ConfigError(f"config key '{key}': expected a value {rule[0]} (got {value!r})")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _apply_override(values: dict[str, Any], override: str) -> None:
+    """Set ``a.b.c=value`` in the nested mapping; the value is parsed as YAML (so 3 is an int, true a bool)."""
+    key, sep, text = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"expected --set KEY=VALUE with a dotted KEY such as train.epochs=3 (got {override!r})")
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config key '{key}': cannot parse value {text!r} as YAML ({error})") from None
+    *parents, leaf = key.split(".")
+    node = values
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{'.'.join(parents[: i + 1])}' is not a section, cannot set '{key}'")
+        node = child
+    node[leaf] = value
+
+
+def load_config(path: str | Path | None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
+    """The validated config: defaults, then the YAML file at ``path`` (if any), then ``overrides``.
+
+    Args:
+        path: a YAML file whose keys are a subset of :class:`Config`'s (nested sections as mappings).
+        overrides: ``"dotted.key=value"`` strings; each value is parsed as YAML.
+
+    Returns:
+        The config, with every key typed and in range.
+
+    Raises:
+        ConfigError: if the file is missing or not a YAML mapping, a key is unknown, a value has the
+            wrong type, or a value is out of range. The message names the key.
+    """
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+        if loaded is not None:
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"config file {path}: expected a mapping of keys (got {type(loaded).__name__})")
+            values = loaded
+    for override in overrides:
+        _apply_override(values, override)
+    return _build(Config, values)
+
+
+def check_launch(cfg: Config, env: dict[str, str] | None = None) -> None:
+    """Reject a config that cannot run in this launch (torchrun or not, CUDA or not), before any setup.
+
+    Raises:
+        ConfigError: for ``parallel: dataparallel`` under torchrun with more than one process, or
+            ``device: cuda`` without CUDA.
+    """
+    env = os.environ if env is None else env
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    if cfg.parallel == "dataparallel" and world_size > 1:
+        raise ConfigError(
+            f"config key 'parallel': 'dataparallel' runs in one process; launch it with python, not "
+            f"torchrun (got WORLD_SIZE={world_size}), or use parallel=ddp"
+        )
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("config key 'device': 'cuda' was asked for but CUDA is not available")
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """The config from the command line: ``--config PATH`` and any number of ``--set KEY=VALUE``."""
+    parser = argparse.ArgumentParser(
+        description="Train a BatchNorm CNN on digits with synchronized BatchNorm (see the module docstring).",
+    )
+    parser.add_argument("--config", type=Path, default=None, help="YAML config; omitted keys keep their defaults")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key, dotted for sections, e.g. --set train.epochs=3 (repeatable)",
+    )
+    args = parser.parse_args(argv)
+    return load_config(args.config, args.overrides)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Process group.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Runtime:
+    """Where this process runs: its rank, the world size, its device, and whether it owns a process group."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    distributed: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _pick_device(cfg: Config, local_rank: int) -> torch.device:
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    if cfg.parallel == "dataparallel":
+        return torch.device("cuda", 0)
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(cfg: Config) -> Runtime:
+    """Start the default process group under torchrun (``RANK`` set): nccl for CUDA, gloo for CPU.
+
+    Without torchrun this is one process (rank 0, world size 1) and no group is started.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _pick_device(cfg, local_rank)
+    if "RANK" not in os.environ:
+        return Runtime(0, 1, device, distributed=False)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    return Runtime(dist.get_rank(), dist.get_world_size(), device, distributed=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def load_data(cfg: DataConfig) -> tuple[TensorDataset, TensorDataset]:
+    """The digits as (N, 1, 8, 8) float32 images and int64 labels: a seeded stratified train/test split.
+
+    Pixels (0..16) are standardized with the mean and std of the training images only.
+    """
+    digits = load_digits()
+    images = torch.from_numpy(digits.images).float().unsqueeze(1)
+    labels = torch.from_numpy(digits.target).long()
+    train_idx, test_idx = train_test_split(
+        torch.arange(len(labels)).numpy(),
+        test_size=cfg.test_fraction,
+        stratify=digits.target,
+        random_state=cfg.split_seed,
+    )
+    train_idx, test_idx = torch.from_numpy(train_idx), torch.from_numpy(test_idx)
+    mean, std = images[train_idx].mean(), images[train_idx].std()
+    images = (images - mean) / std
+    return TensorDataset(images[train_idx], labels[train_idx]), TensorDataset(images[test_idx], labels[test_idx])
+
+
+def build_loaders(
+    cfg: Config, runtime: Runtime, replicas: int
+) -> tuple[DataLoader, DataLoader, DistributedSampler | None]:
+    """The training loader (this rank's shard), the test loader (the full test set) and the sampler.
+
+    Under DDP a :class:`DistributedSampler` gives every rank a disjoint shard of equal size
+    (``drop_last=True`` drops the few samples that do not divide evenly instead of repeating some), so
+    every rank runs the same number of steps, which synchronized BatchNorm requires. Training batches
+    are ``batch_size * replicas`` (split across DataParallel replicas) and incomplete ones are dropped,
+    so no BatchNorm ever sees a tiny last batch.
+    """
+    train_set, test_set = load_data(cfg.data)
+    sampler: DistributedSampler | None = None
+    generator = None
+    if runtime.world_size > 1:
+        sampler = DistributedSampler(
+            train_set, runtime.world_size, runtime.rank, shuffle=True, seed=cfg.seed, drop_last=True
+        )
+    else:
+        generator = torch.Generator().manual_seed(cfg.seed)
+    train_loader = DataLoader(
+        train_set,
+        batch_size=cfg.data.batch_size * replicas,
+        sampler=sampler,
+        shuffle=sampler is None,
+        generator=generator,
+        drop_last=True,
+    )
+    test_loader = DataLoader(test_set, batch_size=cfg.data.eval_batch_size, shuffle=False)
+    return train_loader, test_loader, sampler
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _conv_bn(in_channels: int, out_channels: int, bn_momentum: float) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False),  # BatchNorm's shift makes a bias redundant
+        nn.BatchNorm2d(out_channels, momentum=bn_momentum),
+        nn.ReLU(inplace=True),
+    )
+
+
+class DigitsNet(nn.Module):
+    """A CNN for 1x8x8 digits: conv-BN-ReLU x2, pool, conv-BN-ReLU, pool, then Linear-BatchNorm1d-ReLU-Linear.
+
+    Shape:
+        - Input: (N, 1, 8, 8)
+        - Output: (N, num_classes) logits
+    """
+
+    def __init__(self, cfg: ModelConfig, num_classes: int = 10) -> None:
+        super().__init__()
+        w, m = cfg.width, cfg.bn_momentum
+        self.features = nn.Sequential(
+            _conv_bn(1, w, m),
+            _conv_bn(w, w, m),
+            nn.MaxPool2d(2),  # 8x8 -> 4x4
+            _conv_bn(w, 2 * w, m),
+            nn.MaxPool2d(2),  # 4x4 -> 2x2
+        )
+        self.head = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(2 * w * 4, 4 * w, bias=False),
+            nn.BatchNorm1d(4 * w, momentum=m),
+            nn.ReLU(inplace=True),
+            nn.Dropout(cfg.dropout),
+            nn.Linear(4 * w, num_classes),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.features(x))
+
+
+def build_model(cfg: Config, runtime: Runtime) -> tuple[nn.Module, nn.Module, int]:
+    """The model to train, the bare model (for eval and checkpoints), and the number of replicas per step.
+
+    DDP (world_size > 1): BatchNorm layers are converted, then wrapped in DistributedDataParallel.
+    DataParallel: converted, then wrapped in DataParallelWithCallback over every CUDA device, or over
+    ``cpu_replicas`` CPU thread replicas. One process without torchrun keeps plain BatchNorm.
+    """
+    net = DigitsNet(cfg.model)
+    if cfg.parallel == "dataparallel":
+        net = syncbn_dist.convert_model(net).to(runtime.device)
+        if runtime.device.type == "cuda":
+            device_ids = list(range(torch.cuda.device_count()))
+            return syncbn_dist.DataParallelWithCallback(net, device_ids=device_ids), net, len(device_ids)
+        return syncbn_dist.DataParallelWithCallback(net, cpu_replicas=cfg.cpu_replicas), net, cfg.cpu_replicas
+    net = net.to(runtime.device)
+    if runtime.world_size == 1:
+        return net, net, 1
+    net = syncbn_dist.convert_model(net)
+    # No buffer sync in forward: DDP would otherwise copy rank 0's running statistics to every rank at each
+    # step and hide any divergence; synchronized BatchNorm keeps them equal, and check_same_on_all_ranks
+    # verifies that at the end. (torch >= 2.13 spells it forward_sync_buffers, older ones broadcast_buffers.)
+    no_buffer_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        else {"broadcast_buffers": False}
+    )
+    device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+    return DistributedDataParallel(net, device_ids=device_ids, **no_buffer_sync), net, 1
+
+
+def bn_transports(module: nn.Module) -> list[str]:
+    """The ``last_transport`` of every synchronized BatchNorm layer (empty for plain BatchNorm)."""
+    return sorted({m.last_transport or "unused" for m in module.modules() if isinstance(m, SyncBatchNorm)})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Train and evaluate.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _sum_over_ranks(values: list[float], runtime: Runtime) -> list[float]:
+    totals = torch.tensor(values, dtype=torch.float64, device=runtime.device)
+    if runtime.world_size > 1:
+        dist.all_reduce(totals)
+    return totals.tolist()
+
+
+def train_one_epoch(
+    model: nn.Module,
+    loader: DataLoader,
+    optimizer: torch.optim.Optimizer,
+    runtime: Runtime,
+    desc: str,
+    progress_bar: bool,
+) -> tuple[float, float]:
+    """One pass over this rank's shard; returns the mean loss and accuracy over all ranks' samples."""
+    model.train()
+    loss_fn = nn.CrossEntropyLoss()
+    loss_sum, correct, count = 0.0, 0, 0
+    bar = tqdm(loader, desc=desc, leave=False, disable=not (progress_bar and runtime.is_main), dynamic_ncols=True)
+    for images, labels in bar:
+        images, labels = images.to(runtime.device), labels.to(runtime.device)
+        logits = model(images)
+        loss = loss_fn(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        loss_sum += loss.item() * len(labels)
+        correct += (logits.argmax(1) == labels).sum().item()
+        count += len(labels)
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+    loss_sum, correct, count = _sum_over_ranks([loss_sum, correct, count], runtime)
+    return loss_sum / count, correct / count
+
+
+@torch.no_grad()
+def evaluate(net: nn.Module, loader: DataLoader, device: torch.device) -> float:
+    """Accuracy of the bare model in eval mode on the whole test set.
+
+    Every rank evaluates the full (small) test set itself: eval-mode BatchNorm uses the running
+    statistics and never communicates, the ranks hold identical models so they agree, and no rank
+    idles in a collective waiting for rank 0 to finish evaluating.
+    """
+    net.eval()
+    correct, count = 0, 0
+    for images, labels in loader:
+        images, labels = images.to(device), labels.to(device)
+        correct += (net(images).argmax(1) == labels).sum().item()
+        count += len(labels)
+    assert all(t == "local" for t in bn_transports(net)), "eval-mode BatchNorm must not communicate"
+    return correct / count
+
+
+def check_same_on_all_ranks(net: nn.Module) -> None:
+    """All-gather every parameter and buffer (running statistics included) and compare them across ranks.
+
+    Raises:
+        RuntimeError: on every rank, naming the tensors that differ from rank 0's, if any do.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    state = net.state_dict()
+    # float64 holds float32 values and step counts exactly, so the comparison below is bit-for-bit.
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in state.values()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    sizes = [t.numel() for t in state.values()]
+    differing = []
+    for rank, other in enumerate(gathered[1:], start=1):
+        for name, mine, theirs in zip(state, gathered[0].split(sizes), other.split(sizes)):
+            if not torch.equal(mine, theirs):
+                gap = (mine - theirs).abs().max().item()
+                differing.append(f"{name} (rank {rank}, max abs difference {gap:.3g})")
+    if differing:
+        raise RuntimeError(
+            f"model state differs across ranks; {len(differing)} tensor(s) differ from rank 0's: "
+            + ", ".join(differing[:8])
+            + (" ..." if len(differing) > 8 else "")
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Outputs.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
+    """Write ``path`` through ``write(binary_file)`` so that it is either the old file or the complete new one.
+
+    A temp file in the same directory is written, flushed and fsynced, then renamed over ``path``
+    (``os.replace`` is atomic on POSIX and Windows within one file system), then the directory is fsynced
+    so the rename itself survives a crash.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if hasattr(os, "O_DIRECTORY"):
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def write_json(path: Path, payload: Any) -> None:
+    _atomic_write(path, lambda f: f.write((json.dumps(payload, indent=2) + "\n").encode()))
+
+
+def write_config(path: Path, cfg: Config) -> None:
+    text = "# The resolved config of this run (defaults + config file + --set overrides).\n"
+    text += yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+    _atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def save_checkpoint(
+    path: Path,
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    epoch: int,
+    cfg: Config,
+) -> None:
+    """Save the bare model's state_dict (loadable into plain or synchronized BatchNorm), the optimizer and
+    scheduler state, the number of completed epochs and the config. Loads with ``weights_only=True``."""
+    payload = {
+        "model": net.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "epoch": epoch,
+        "config": dataclasses.asdict(cfg),
+    }
+    _atomic_write(path, lambda f: torch.save(payload, f))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The job.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def run(cfg: Config, runtime: Runtime) -> int:
+    """Train, evaluate every epoch, check the ranks agree, and (rank 0) write the outputs."""
+    out = Path(cfg.output_dir)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model, net, replicas = build_model(cfg, runtime)
+    torch.manual_seed(cfg.seed + runtime.rank)  # then different dropout masks per rank
+    train_loader, test_loader, sampler = build_loaders(cfg, runtime, replicas)
+    optimizer = torch.optim.SGD(
+        net.parameters(),
+        lr=cfg.train.lr,
+        momentum=cfg.train.momentum,
+        nesterov=cfg.train.momentum > 0,
+        weight_decay=cfg.train.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.train.epochs)
+    if runtime.is_main:
+        write_config(out / "config.yaml", cfg)
+        log.info(
+            "parallel=%s world_size=%d replicas=%d device=%s batch/BatchNorm=%d global batch=%d steps/epoch=%d",
+            cfg.parallel,
+            runtime.world_size,
+            replicas,
+            runtime.device,
+            cfg.data.batch_size,
+            cfg.data.batch_size * replicas * runtime.world_size,
+            len(train_loader),
+        )
+    metrics: dict[str, Any] = {
+        "parallel": cfg.parallel,
+        "world_size": runtime.world_size,
+        "replicas_per_process": replicas,
+        "batch_size_per_bn": cfg.data.batch_size,
+        "global_batch_size": cfg.data.batch_size * replicas * runtime.world_size,
+        "steps_per_epoch": len(train_loader),
+        "epochs": [],
+    }
+    start = time.perf_counter()
+    for epoch in range(1, cfg.train.epochs + 1):
+        epoch_start = time.perf_counter()
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        lr = optimizer.param_groups[0]["lr"]
+        desc = f"epoch {epoch}/{cfg.train.epochs}"
+        loss, train_acc = train_one_epoch(model, train_loader, optimizer, runtime, desc, cfg.progress_bar)
+        metrics["bn_transport"] = bn_transports(net)  # how BatchNorm synchronized during training
+        scheduler.step()
+        test_acc = evaluate(net, test_loader, runtime.device)
+        epoch_time = time.perf_counter() - epoch_start
+        row = {
+            "epoch": epoch,
+            "lr": lr,
+            "loss": loss,
+            "train_acc": train_acc,
+            "test_acc": test_acc,
+            "epoch_time_s": epoch_time,
+        }
+        metrics["epochs"].append(row)
+        if runtime.is_main:
+            log.info("%s loss %.4f train_acc %.4f test_acc %.4f (%.1f s)", desc, loss, train_acc, test_acc, epoch_time)
+            write_json(out / "metrics.json", metrics)
+    check_same_on_all_ranks(net)
+    metrics["final_test_acc"] = metrics["epochs"][-1]["test_acc"]
+    metrics["total_time_s"] = time.perf_counter() - start
+    if runtime.is_main:
+        save_checkpoint(out / "checkpoint.pt", net, optimizer, scheduler, cfg.train.epochs, cfg)
+        write_json(out / "metrics.json", metrics)
+        log.info("done: test_acc %.4f in %.1f s; wrote %s", metrics["final_test_acc"], metrics["total_time_s"], out)
+    return 0
+
+
+def main(cfg: Config | None = None) -> int:
+    """Run the job with ``cfg``, or with the config from the command line when it is None.
+
+    Returns 2 (after printing the reason) for a bad config, without starting a process group.
+    """
+    try:
+        if cfg is None:
+            cfg = parse_args()
+        check_launch(cfg)
+    except ConfigError as error:
+        print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr)
+        return 2
+    runtime = init_distributed(cfg)
+    logging.basicConfig(
+        level=logging.INFO if runtime.is_main else logging.WARNING,
+        format=f"%(asctime)s [rank {runtime.rank}] %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        return run(cfg, runtime)
+    finally:
+        if runtime.distributed:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

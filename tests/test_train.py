@@ -1,0 +1,258 @@
+"""Tests of the training job launch/train.py.
+
+Config validation runs in-process. The job itself runs for one epoch as a real subprocess: under
+``torch.distributed.run`` with 2 gloo processes (DDP + synchronized BatchNorm), and in one process through
+DataParallelWithCallback with 2 CPU thread replicas. The cross-rank state check runs on a real gloo group
+through ``tests/launcher.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from launcher import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+# The digits split the configs use: 1,797 images, a 0.2 test fraction (sklearn rounds the test size up).
+NUM_TRAIN = 1797 - math.ceil(0.2 * 1797)
+
+
+def _load_train() -> ModuleType:
+    """launch/train.py as a module (launch/ is not a package: the library never imports from it)."""
+    name = "syncbn_launch_train"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / "train.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses and get_type_hints look the module up by name
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+train = _load_train()
+
+
+def _yaml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "parallel", "command"),
+    [
+        ("digits.yaml", "ddp", "torchrun --standalone --nproc_per_node=2 launch/train.py --config configs/digits.yaml"),
+        ("digits_dp.yaml", "dataparallel", "python launch/train.py --config configs/digits_dp.yaml"),
+    ],
+)
+def test_shipped_configs_load_and_document_their_command(name: str, parallel: str, command: str) -> None:
+    path = ROOT / "configs" / name
+    cfg = train.load_config(path)
+    assert cfg.parallel == parallel
+    assert cfg.data.batch_size == 16  # the small per-BatchNorm batch where synchronization matters
+    header = path.read_text().split("\n\n")[0]
+    assert all(line.startswith("#") for line in header.splitlines())
+    assert command in header
+    assert "--set " in header  # an override example
+
+
+def test_yaml_and_overrides_layer_over_typed_defaults(tmp_path: Path) -> None:
+    path = _yaml(tmp_path, "seed: 3\ntrain:\n  lr: 1\n  epochs: 7\n")
+    cfg = train.load_config(path, ["train.epochs=2", "data.batch_size=8", "progress_bar=false"])
+    assert (cfg.seed, cfg.train.epochs, cfg.data.batch_size, cfg.progress_bar) == (3, 2, 8, False)
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)  # YAML's 1 accepted for a float key
+    assert cfg.train.momentum == train.TrainConfig().momentum  # untouched keys keep their defaults
+    assert train.load_config(None) == train.Config()
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "fragments"),
+    [
+        ("data:\n  batch_sise: 8\n", [], ["unknown config key 'data.batch_sise'"]),
+        ("lr: 0.1\n", [], ["unknown config key 'lr'"]),
+        ("", ["train.epoch=1"], ["unknown config key 'train.epoch'"]),
+        ("train:\n  epochs: ten\n", [], ["'train.epochs'", "expected int", "str"]),
+        ("train:\n  epochs: true\n", [], ["'train.epochs'", "expected int", "bool"]),
+        ("train:\n  lr: 1e-3\n", [], ["'train.lr'", "expected float", "1.0e-3"]),
+        ("parallel: horovod\n", [], ["'parallel'", "'ddp' | 'dataparallel'"]),
+        ("data: 16\n", [], ["data", "expected a mapping"]),
+        ("data:\n  batch_size: 0\n", [], ["'data.batch_size'", "> 0", "got 0"]),
+        ("", ["data.batch_size=-4"], ["'data.batch_size'", "> 0"]),
+        ("train:\n  lr: -0.1\n", [], ["'train.lr'", ">= 0", "-0.1"]),
+        ("train:\n  epochs: 0\n", [], ["'train.epochs'", "> 0"]),
+        ("data:\n  test_fraction: 1.0\n", [], ["'data.test_fraction'", "in (0, 1)"]),
+        ("", ["train.epochs"], ["--set KEY=VALUE"]),
+        ("- a\n- b\n", [], ["expected a mapping"]),
+    ],
+)
+def test_bad_config_is_rejected_naming_the_key(
+    tmp_path: Path, text: str, overrides: list[str], fragments: list[str]
+) -> None:
+    with pytest.raises(train.ConfigError) as info:
+        train.load_config(_yaml(tmp_path, text), overrides)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(train.ConfigError, match=f"config file not found: {missing}"):
+        train.load_config(missing)
+
+
+@pytest.mark.parametrize(
+    ("text", "extra_args", "world_size", "fragment"),
+    [
+        ("model:\n  widht: 8\n", [], "1", "'model.widht'"),
+        ("train:\n  epochs: 1.5\n", [], "1", "'train.epochs'"),
+        ("data:\n  batch_size: 0\n", [], "1", "'data.batch_size'"),
+        ("train:\n  lr: -1.0\n", [], "1", "'train.lr'"),
+        (None, [], "1", "config file not found"),
+        ("parallel: dataparallel\n", [], "2", "'parallel'"),  # one-process mode under a multi-process torchrun
+    ],
+)
+def test_main_fails_fast_before_any_process_group(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    text: str | None,
+    extra_args: list[str],
+    world_size: str,
+    fragment: str,
+) -> None:
+    # The environment torchrun gives a worker, so main would start a process group if it got that far.
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": world_size}.items():
+        monkeypatch.setenv(key, value)
+
+    def no_group(cfg: Any) -> None:
+        raise AssertionError("init_distributed was called before the config was rejected")
+
+    monkeypatch.setattr(train, "init_distributed", no_group)
+    path = _yaml(tmp_path, text) if text is not None else tmp_path / "missing.yaml"
+    monkeypatch.setattr(sys, "argv", ["train.py", "--config", str(path), *extra_args])
+    assert train.main() == 2
+    assert fragment in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The cross-rank check, on a real gloo group.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_worker(rank: int, world_size: int) -> list[str]:
+    module = _load_train()
+    torch.manual_seed(0)
+    net = module.DigitsNet(module.ModelConfig(width=4))
+    module.check_same_on_all_ranks(net)  # identical: passes
+    messages = []
+    for name in ("features.0.1.running_var", "head.2.num_batches_tracked", "head.5.weight"):
+        tensor = net.state_dict()[name]
+        saved = tensor.clone()
+        if rank == 1:
+            tensor.view(-1)[0] += 1  # one element of one tensor differs on one rank
+        try:
+            module.check_same_on_all_ranks(net)
+        except RuntimeError as error:
+            messages.append(str(error))
+        else:
+            messages.append("no error")
+        tensor.copy_(saved)
+    module.check_same_on_all_ranks(net)  # restored: passes again
+    return messages
+
+
+@pytest.mark.distributed
+def test_check_same_on_all_ranks_detects_a_differing_running_stat_on_every_rank() -> None:
+    results = run_distributed(_check_worker, 2)
+    names = ("features.0.1.running_var", "head.2.num_batches_tracked", "head.5.weight")
+    for messages in results:  # every rank raises, so no rank is left waiting in a later collective
+        for name, message in zip(names, messages):
+            assert "differs across ranks" in message and name in message and "rank 1" in message
+            assert "1 tensor(s)" in message  # only the changed tensor is reported
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The job, one epoch, as a real subprocess.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _run_job(launcher: list[str], config: str, out: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # CPU paths, whatever the machine
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    args = ["--config", config, "--set", "train.epochs=1", "--set", f"output_dir={out}", "--set", "progress_bar=false"]
+    proc = subprocess.run(
+        [*launcher, "launch/train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, f"training failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def _check_outputs(out: Path, steps_per_epoch: int, transport: str) -> None:
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.yaml", "metrics.json"]  # no temp files
+
+    cfg = train.load_config(out / "config.yaml")  # the resolved config reloads as a valid config
+    assert cfg.train.epochs == 1 and cfg.output_dir == str(out)
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps_per_epoch"] == steps_per_epoch
+    assert metrics["bn_transport"] == [transport]  # BatchNorm really synchronized, and how
+    (row,) = metrics["epochs"]
+    assert row["epoch"] == 1 and row["epoch_time_s"] > 0
+    assert math.isfinite(row["loss"]) and 0 < row["loss"] < math.log(10)  # below a uniform guess's loss
+    assert 0 <= row["train_acc"] <= 1
+    assert 0.5 < row["test_acc"] <= 1  # chance is 0.1; one epoch of SGD with BatchNorm is far above it
+    assert metrics["final_test_acc"] == row["test_acc"]
+
+    checkpoint = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert checkpoint["epoch"] == 1 and checkpoint["config"]["train"]["epochs"] == 1
+    net = train.DigitsNet(cfg.model)  # plain BatchNorm: the synchronized layers' state_dict keys are the same
+    net.load_state_dict(checkpoint["model"])
+    bns = [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert len(bns) == 4
+    for bn in bns:
+        assert torch.isfinite(bn.running_mean).all() and torch.isfinite(bn.running_var).all()
+        assert (bn.running_var > 0).all() and not torch.equal(bn.running_var, torch.ones_like(bn.running_var))
+        assert bn.num_batches_tracked.item() == steps_per_epoch  # once per step, on the global batch
+
+    # The checkpoint is the model that was evaluated: it reproduces the logged test accuracy.
+    _, test_set = train.load_data(cfg.data)
+    loader = torch.utils.data.DataLoader(test_set, batch_size=512)
+    assert train.evaluate(net, loader, torch.device("cpu")) == row["test_acc"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ddp_job_one_epoch_under_torchrun(tmp_path: Path) -> None:
+    out = tmp_path / "ddp"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    _run_job(torchrun, "configs/digits.yaml", out)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["global_batch_size"] == 32
+    # DistributedSampler(drop_last=True): disjoint equal shards of floor(1437 / 2); full batches of 16.
+    _check_outputs(out, (NUM_TRAIN // 2) // 16, "distributed")
+
+
+@pytest.mark.slow
+def test_dataparallel_job_one_epoch_with_cpu_replicas(tmp_path: Path) -> None:
+    out = tmp_path / "dp"
+    _run_job([sys.executable], "configs/digits_dp.yaml", out)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 1 and metrics["replicas_per_process"] == 2
+    assert metrics["global_batch_size"] == 32
+    _check_outputs(out, NUM_TRAIN // 32, "dataparallel")
