@@ -1,0 +1,460 @@
+"""Turn the benchmark workers' raw measurements into medians, ratios, targets, a markdown report and a plot.
+
+Targets (from the benchmark issue; reported, never asserted by tests):
+
+- P1: (b) - (a) <= 1.1 x the measured communication floor, compute-bound config.
+- P2: (b) <= 0.8 x (c), compute-bound config.
+- P3: peak memory (b) <= 1.05 x (a) (peak RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA).
+- P4: bytes per collective identical at every world size; no all_gather-type collective.
+- P5: SyncBN on DDP's group no slower than on a dedicated group (if the dedicated group wins, it should be the
+  default).
+- P6: single-layer forward+backward of the sync path <= 1.3 x ``F.batch_norm`` at every shape.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any, Optional
+
+from bench_models import LABELS
+
+P1_BOUND = 1.1
+P2_BOUND = 0.8
+P3_BOUND = 1.05
+P5_BOUND = 1.02  # (b) on DDP's group / (b') on a dedicated group; above this the dedicated group wins
+P6_BOUND = 1.3
+_ALL_GATHER_OPS = ("all_gather", "all_gather_into_tensor", "all_to_all")
+_SYNCBN_VARIANTS = ("syncbn_dist", "syncbn_dist_dedicated")
+
+
+def _quantiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, statistics.median(values), q3
+
+
+def _collective_summary(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for phase in ("forward", "backward"):
+        mine = [c for c in calls if c["phase"] == phase]
+        summary[phase] = {
+            "count": len(mine),
+            "bytes": sorted({c["bytes"] for c in mine}),
+            "ops": sorted({c["op"] for c in mine}),
+            "dtypes": sorted({str(c["dtype"]) for c in mine}),
+            "groups": sorted({c["group"] for c in mine}),
+        }
+    summary["all_gather_calls"] = sum(c["op"] in _ALL_GATHER_OPS for c in calls)
+    summary["sequence"] = [[c["phase"], c["op"], c["bytes"]] for c in calls]
+    return summary
+
+
+def _expected_collectives(scenario: dict[str, Any]) -> dict[str, Any]:
+    """syncbn_dist's design: per layer one all_reduce of (2C+1) float64 forward, one of 2C float64 backward."""
+    layers, channels = scenario["num_layers"], scenario["width"]
+    return {
+        "forward": {"count": layers, "bytes": [(2 * channels + 1) * 8]},
+        "backward": {"count": layers, "bytes": [2 * channels * 8]},
+    }
+
+
+def _matches(counted: dict[str, Any], expected: dict[str, Any]) -> bool:
+    return all(
+        counted[phase]["count"] == expected[phase]["count"]
+        and counted[phase]["bytes"] == expected[phase]["bytes"]
+        and counted[phase]["ops"] == ["all_reduce"]
+        for phase in ("forward", "backward")
+    )
+
+
+def _summarize_run(run: dict[str, Any], scenario: dict[str, Any]) -> dict[str, Any]:
+    variants: dict[str, Any] = {}
+    medians: dict[str, float] = {}
+    for name in run["variants"]:
+        seconds = run["step_seconds"][name]
+        q1, median, q3 = _quantiles(seconds)
+        medians[name] = median
+        variants[name] = {
+            "label": LABELS[name],
+            "median_ms": 1e3 * median,
+            "q1_ms": 1e3 * q1,
+            "q3_ms": 1e3 * q3,
+            "rounds": len(seconds),
+            "memory": run["memory"][name],
+            "collectives": _collective_summary(run["collectives"][name]),
+        }
+    for name, entry in variants.items():
+        entry["ratio_to_bn"] = medians[name] / medians["bn"] if "bn" in medians else None
+
+    floor_s = None
+    floor_detail = []
+    for probe in run["floor_probes"]:
+        latency = statistics.median(probe["seconds"])
+        floor_detail.append({**{k: probe[k] for k in ("bytes", "dtype", "per_step")}, "median_us": 1e6 * latency})
+        floor_s = (floor_s or 0.0) + latency * probe["per_step"]
+    result: dict[str, Any] = {
+        "world_size": run["world_size"],
+        "backend": run["backend"],
+        "device": run["device"],
+        "skipped_variants": run["skipped_variants"],
+        "variants": variants,
+        "floor_ms": None if floor_s is None else 1e3 * floor_s,
+        "floor_detail": floor_detail,
+        "expected_collectives": _expected_collectives(scenario),
+        "profiles": run["profiles"],
+        "step_ms_by_round": {name: [1e3 * s for s in run["step_seconds"][name]] for name in run["variants"]},
+    }
+    for name in _SYNCBN_VARIANTS:
+        if name in variants:
+            variants[name]["collectives_match_expected"] = _matches(
+                variants[name]["collectives"], result["expected_collectives"]
+            )
+    if "bn" in medians and "syncbn_dist" in medians:
+        result["overhead_ms"] = 1e3 * (medians["syncbn_dist"] - medians["bn"])
+        paired = [b - a for a, b in zip(run["step_seconds"]["bn"], run["step_seconds"]["syncbn_dist"])]
+        result["overhead_paired_ms"] = 1e3 * statistics.median(paired)
+        result["overhead_over_floor"] = result["overhead_ms"] / result["floor_ms"] if result["floor_ms"] else None
+    return result
+
+
+def _target(
+    tid: str, description: str, measured: Optional[float], bound: Optional[float], passed: Optional[bool], detail: str
+) -> dict[str, Any]:
+    return {
+        "id": tid,
+        "description": description,
+        "measured": measured,
+        "bound": bound,
+        "passed": passed,
+        "detail": detail,
+    }
+
+
+def _targets(scenarios: dict[str, Any], micro: Optional[dict[str, Any]], compute: str) -> list[dict[str, Any]]:
+    targets = []
+    compute_run = scenarios[compute]["runs"][0] if compute in scenarios and scenarios[compute]["runs"] else None
+    where = f"{compute}, W={compute_run['world_size']}" if compute_run else compute
+
+    ratio = compute_run.get("overhead_over_floor") if compute_run else None
+    detail = (
+        f"{where}: (b)-(a) = {compute_run['overhead_ms']:.3f} ms (paired median {compute_run['overhead_paired_ms']:.3f}"
+        f" ms), floor = {compute_run['floor_ms']:.3f} ms"
+        if ratio is not None
+        else "not measured"
+    )
+    targets.append(_target("P1", "(b)-(a) <= 1.1 x communication floor", ratio, P1_BOUND, _le(ratio, P1_BOUND), detail))
+
+    ratio, detail = None, "not measured"
+    if compute_run and {"syncbn_dist", "naive"} <= set(compute_run["variants"]):
+        b, c = compute_run["variants"]["syncbn_dist"]["median_ms"], compute_run["variants"]["naive"]["median_ms"]
+        ratio, detail = b / c, f"{where}: (b) {b:.3f} ms, (c) {c:.3f} ms"
+    targets.append(_target("P2", "(b) <= 0.8 x (c)", ratio, P2_BOUND, _le(ratio, P2_BOUND), detail))
+
+    worst, detail, strict = None, "not measured", []
+    for name, scenario in scenarios.items():
+        for run in scenario["runs"]:
+            variants = run["variants"]
+            if not {"bn", "syncbn_dist"} <= set(variants):
+                continue
+            a, b = variants["bn"]["memory"], variants["syncbn_dist"]["memory"]
+            key = "cuda_max_allocated_mib" if a.get("cuda_max_allocated_mib") is not None else "rss_peak_mib"
+            ratio = b[key] / a[key]
+            if worst is None or ratio > worst:
+                worst, detail = ratio, f"{name}, W={run['world_size']}: {key} (b) {b[key]:.1f} / (a) {a[key]:.1f} MiB"
+            if a.get("alloc_step_mib"):
+                strict.append(f"{name} W={run['world_size']} {b['alloc_step_mib'] / a['alloc_step_mib']:.3f}")
+    if strict:
+        detail += "; tensor memory allocated within a step, (b)/(a): " + ", ".join(strict)
+    targets.append(_target("P3", "peak memory (b) <= 1.05 x (a)", worst, P3_BOUND, _le(worst, P3_BOUND), detail))
+
+    sequences: dict[str, dict[int, str]] = {}
+    all_gathers = 0
+    for name, scenario in scenarios.items():
+        for run in scenario["runs"]:
+            if "syncbn_dist" in run["variants"]:
+                counted = run["variants"]["syncbn_dist"]["collectives"]
+                sequences.setdefault(name, {})[run["world_size"]] = json.dumps(counted["sequence"])
+                all_gathers += counted["all_gather_calls"]
+    multi = {name: seqs for name, seqs in sequences.items() if len(seqs) > 1}
+    distinct = max((len(set(seqs.values())) for seqs in multi.values()), default=None)
+    detail = "; ".join(
+        f"{name} W={sorted(seqs)}: {len(set(seqs.values()))} distinct sequence(s) of (phase, op, bytes)"
+        for name, seqs in multi.items()
+    )
+    detail = (detail or "needs more than one world size") + f"; all_gather-type calls: {all_gathers}"
+    passed = None if distinct is None else distinct == 1 and all_gathers == 0
+    targets.append(
+        _target(
+            "P4",
+            "bytes per collective identical at every W (distinct patterns), no all_gather",
+            distinct,
+            1,
+            passed,
+            detail,
+        )
+    )
+
+    ratios = []
+    for name, scenario in scenarios.items():
+        for run in scenario["runs"]:
+            if {"syncbn_dist", "syncbn_dist_dedicated"} <= set(run["variants"]):
+                shared = run["variants"]["syncbn_dist"]["median_ms"]
+                dedicated = run["variants"]["syncbn_dist_dedicated"]["median_ms"]
+                ratios.append((name, run["world_size"], shared / dedicated))
+    compute_ratio = next((r for n, w, r in ratios if n == compute), None)
+    detail = ", ".join(f"{n} W={w}: {r:.3f}" for n, w, r in ratios) or "not measured"
+    targets.append(
+        _target(
+            "P5",
+            "(b) on DDP's group / (b') on a dedicated group <= 1.02 (else the dedicated group should be the default)",
+            compute_ratio,
+            P5_BOUND,
+            _le(compute_ratio, P5_BOUND),
+            detail,
+        )
+    )
+
+    worst, detail = None, "not measured"
+    if micro and micro["cases"]:
+        case = max(micro["cases"], key=lambda c: c["ratio"])
+        worst = case["ratio"]
+        detail = f"worst: {tuple(case['shape'])} {case['dtype']} {case['memory_format']} on {micro['device']}"
+    targets.append(
+        _target(
+            "P6", "sync path fwd+bwd <= 1.3 x F.batch_norm, every shape", worst, P6_BOUND, _le(worst, P6_BOUND), detail
+        )
+    )
+    return targets
+
+
+def _le(value: Optional[float], bound: float) -> Optional[bool]:
+    return None if value is None else value <= bound
+
+
+def summarize(
+    raw_scenarios: list[dict[str, Any]],
+    micro: Optional[dict[str, Any]],
+    machine: dict[str, Any],
+    command: str,
+    config: dict[str, Any],
+    compute_scenario: str,
+) -> dict[str, Any]:
+    """Everything the report shows, as JSON-ready data (see the module docstring for the targets)."""
+    scenarios = {}
+    for raw in raw_scenarios:
+        scenario = raw["config"]
+        scenarios[scenario["name"]] = {
+            "config": scenario,
+            "runs": [_summarize_run(run, scenario) for run in raw["runs"]],
+        }
+    return {
+        "command": command,
+        "machine": machine,
+        "config": config,
+        "scenarios": scenarios,
+        "micro": micro,
+        "targets": _targets(scenarios, micro, compute_scenario),
+    }
+
+
+def write_json(summary: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+        f.write("\n")
+
+
+def _fmt(value: Optional[float], spec: str = ".3f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The report: step times, floor and overhead, collectives, memory, microbenchmark, targets."""
+    machine = summary["machine"]
+    out = [
+        "# syncbn_dist benchmark",
+        "",
+        f"`{summary['command']}` on {machine['cpu']} ({machine['nproc']} CPUs), torch {machine['torch']}, "
+        f"Python {machine['python']}"
+        + (f", GPUs: {', '.join(machine['cuda_devices'])}" if machine["cuda_devices"] else "")
+        + f". Load average at start {_fmt(machine.get('loadavg_start', [None])[0], '.2f')}; "
+        f"bench took {machine.get('bench_seconds')} s.",
+        "",
+        "## Training step time (median ms over interleaved rounds, slowest rank)",
+        "",
+    ]
+    names = [n for n in LABELS if any(n in r["variants"] for s in summary["scenarios"].values() for r in s["runs"])]
+    header = (
+        ["config", "W", "backend"] + [LABELS[n] for n in names] + ["(b)/(a)", "(b)/(c)", "floor", "(b)-(a)", "/floor"]
+    )
+    rows = []
+    for name, scenario in summary["scenarios"].items():
+        cfg = scenario["config"]
+        for run in scenario["runs"]:
+            v = run["variants"]
+            cells = [_fmt(v[n]["median_ms"]) if n in v else "n/a" for n in names]
+            b_over_c = (
+                v["syncbn_dist"]["median_ms"] / v["naive"]["median_ms"] if {"syncbn_dist", "naive"} <= set(v) else None
+            )
+            rows.append(
+                [
+                    f"{name} (w{cfg['width']}, L{cfg['num_layers']}, N{cfg['batch_size']}, {cfg['image_size']}²)",
+                    str(run["world_size"]),
+                    run["backend"],
+                ]
+                + cells
+                + [
+                    _fmt(v.get("syncbn_dist", {}).get("ratio_to_bn"), ".2f"),
+                    _fmt(b_over_c, ".2f"),
+                    _fmt(run.get("floor_ms")),
+                    _fmt(run.get("overhead_ms")),
+                    _fmt(run.get("overhead_over_floor"), ".2f"),
+                ]
+            )
+    out += _table(header, rows)
+    out += [
+        "",
+        "floor = Σ over (b)'s collectives per step of the median latency of an all_reduce of that payload on the same "
+        "group, measured in the same run (back-to-back calls). n/a: torch.nn.SyncBatchNorm needs CUDA tensors.",
+        "",
+        "## Collectives per step (counted by wrapping torch.distributed)",
+        "",
+    ]
+    rows = []
+    for name, scenario in summary["scenarios"].items():
+        for run in scenario["runs"]:
+            for variant in ("syncbn_dist", "syncbn_dist_dedicated", "naive", "bn"):
+                if variant not in run["variants"]:
+                    continue
+                c = run["variants"][variant]["collectives"]
+                match = run["variants"][variant].get("collectives_match_expected")
+                rows.append(
+                    [
+                        name,
+                        str(run["world_size"]),
+                        LABELS[variant],
+                        f"{c['forward']['count']} × {c['forward']['bytes']} {','.join(c['forward']['dtypes'])}",
+                        f"{c['backward']['count']} × {c['backward']['bytes']} {','.join(c['backward']['dtypes'])}",
+                        str(c["all_gather_calls"]),
+                        "–" if match is None else ("yes" if match else "NO"),
+                    ]
+                )
+    out += _table(
+        [
+            "config",
+            "W",
+            "variant",
+            "forward: calls × bytes",
+            "backward: calls × bytes",
+            "all_gather",
+            "= expected (2C+1)·8 / 2C·8",
+        ],
+        rows,
+    )
+    out += ["", "## Peak memory (MiB, max over ranks)", ""]
+    rows = []
+    for name, scenario in summary["scenarios"].items():
+        for run in scenario["runs"]:
+            for variant, entry in run["variants"].items():
+                m = entry["memory"]
+                rows.append(
+                    [
+                        name,
+                        str(run["world_size"]),
+                        LABELS[variant],
+                        _fmt(m["rss_peak_mib"], ".1f"),
+                        _fmt(m["rss_step_mib"], ".1f"),
+                        _fmt(m["alloc_step_mib"], ".2f"),
+                        _fmt(m["cuda_max_allocated_mib"], ".2f"),
+                    ]
+                )
+    out += _table(
+        ["config", "W", "variant", "peak RSS", "RSS rise in step", "tensor peak in step", "cuda max allocated"], rows
+    )
+    out += [
+        "",
+        "peak RSS: VmHWM during the variant's steps after resetting it (/proc/self/clear_refs); tensor peak: the "
+        "profiler's running total of bytes allocated during one step (CPU), or max_memory_allocated minus the "
+        "bytes allocated before the step (CUDA).",
+    ]
+    micro = summary["micro"]
+    if micro:
+        fns = list(micro["cases"][0]["median_ms"]) if micro["cases"] else []
+        out += [
+            "",
+            f"## Microbenchmark: one layer forward+backward ({micro['device']}, {micro['threads']} thread(s))",
+            "",
+        ]
+        rows = [
+            [str(tuple(c["shape"])), c["dtype"], c["memory_format"]]
+            + [_fmt(c["median_ms"][f]) for f in fns]
+            + [_fmt(c["ratio"], ".2f")]
+            for c in micro["cases"]
+        ]
+        out += _table(["shape", "dtype", "format"] + [f"{f} ms" for f in fns] + ["syncbn_dist / F.batch_norm"], rows)
+        out += ["", "syncbn_dist is forced through its synchronized path on a one-member process group."]
+    out += ["", "## Targets", ""]
+    rows = [
+        [
+            t["id"],
+            t["description"],
+            _fmt(t["measured"]),
+            _fmt(t["bound"], "g"),
+            {True: "pass", False: "MISS", None: "not measured"}[t["passed"]],
+            t["detail"],
+        ]
+        for t in summary["targets"]
+    ]
+    out += _table(["target", "what", "measured", "bound", "status", "detail"], rows)
+    return "\n".join(out) + "\n"
+
+
+def plot(summary: dict[str, Any], path: str) -> None:
+    """Bar chart of median step time by variant and world size (IQR whiskers), one panel per scenario."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = summary["scenarios"]
+    fig, axes = plt.subplots(1, max(len(scenarios), 1), figsize=(6 * max(len(scenarios), 1), 4.2), squeeze=False)
+    for ax, (name, scenario) in zip(axes[0], scenarios.items()):
+        runs = scenario["runs"]
+        names = [n for n in LABELS if any(n in r["variants"] for r in runs)]
+        width = 0.8 / max(len(names), 1)
+        for i, variant in enumerate(names):
+            xs, ys, lo, hi = [], [], [], []
+            for j, run in enumerate(runs):
+                if variant in run["variants"]:
+                    entry = run["variants"][variant]
+                    xs.append(j + (i - (len(names) - 1) / 2) * width)
+                    ys.append(entry["median_ms"])
+                    lo.append(entry["median_ms"] - entry["q1_ms"])
+                    hi.append(entry["q3_ms"] - entry["median_ms"])
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=LABELS[variant])
+        for j, run in enumerate(runs):
+            if run.get("floor_ms") is not None and "bn" in run["variants"]:
+                base = run["variants"]["bn"]["median_ms"]
+                ax.hlines(
+                    base + run["floor_ms"],
+                    j - 0.45,
+                    j + 0.45,
+                    colors="black",
+                    linestyles="dashed",
+                    label="(a) + comm. floor" if j == 0 else None,
+                )
+        cfg = scenario["config"]
+        ax.set_xticks(range(len(runs)))
+        ax.set_xticklabels([f"W={r['world_size']}\n{r['backend']}" for r in runs])
+        ax.set_ylabel("training step, median ms")
+        ax.set_title(f"{name}: width {cfg['width']}, {cfg['num_layers']} BN layers, batch {cfg['batch_size']}/rank")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
