@@ -28,6 +28,11 @@ __all__ = ["Transport", "sync_batch_norm", "combine_moments", "local_moments"]
 # magnitude than the variance, which float32 cannot resolve (E[x^2] - E[x]^2 cancels catastrophically).
 _COMBINE_DTYPE = torch.float64
 
+# Values per channel in one float32 accumulation of the CPU kernel for float16/bfloat16 input. Its serial float32
+# sums lose accuracy with the count (biased variance off by ~2e-4 relative at 2^20 values per channel and ~3e-2
+# at 2^24), so larger shards are split into chunks of at most this many values, merged in float64 (~1e-6).
+_REDUCED_PRECISION_CHUNK = 1 << 14
+
 
 class Transport(Protocol):
     """Sums tensors over every member of a group (processes, replicas, or both).
@@ -71,9 +76,46 @@ def local_moments(input: Tensor) -> tuple[Tensor, Tensor]:
     if count == 0:
         return count_tensor, torch.zeros(2 * num_features, dtype=_COMBINE_DTYPE, device=device)
     dims = [0] + list(range(2, input.dim()))
-    sums = torch.sum(input, dim=dims, dtype=_COMBINE_DTYPE)
-    var = _stable_biased_var(input, dims).to(_COMBINE_DTYPE)
+    reduced_precision = input.dtype in (torch.float16, torch.bfloat16)
+    if reduced_precision and device.type == "cpu" and count > _REDUCED_PRECISION_CHUNK:
+        sums, var = _chunked_sum_and_var(input, dims, count)
+    else:
+        sums = torch.sum(input, dim=dims, dtype=_COMBINE_DTYPE)
+        var = _stable_biased_var(input, dims).to(_COMBINE_DTYPE)
     return count_tensor, torch.cat([sums, var * count + sums * sums / count])
+
+
+def _chunked_sum_and_var(input: Tensor, dims: list[int], count: int) -> tuple[Tensor, Tensor]:
+    """Per-channel float64 sum and biased variance from chunks of ``_REDUCED_PRECISION_CHUNK`` values.
+
+    Each chunk (a view: no copy) gets a float64 sum and a float32-accumulated variance; they are merged in
+    float64 with the parallel-variance formula of Chan, Golub & LeVeque (1979).
+    """
+    chunks = _split_values_per_channel(input, _REDUCED_PRECISION_CHUNK)
+    counts = torch.tensor([c.numel() // c.size(1) for c in chunks], dtype=_COMBINE_DTYPE, device=input.device)
+    counts = counts.unsqueeze(1)
+    chunk_sums = torch.stack([torch.sum(c, dim=dims, dtype=_COMBINE_DTYPE) for c in chunks])
+    chunk_vars = torch.stack([_stable_biased_var(c, dims) for c in chunks]).to(_COMBINE_DTYPE)
+    sums = chunk_sums.sum(0)
+    deviations = chunk_sums / counts - sums / count
+    var = (counts * chunk_vars).sum(0) / count + (counts * deviations * deviations).sum(0) / count
+    return sums, var
+
+
+def _split_values_per_channel(input: Tensor, limit: int) -> list[Tensor]:
+    """Views of ``input`` with at most ``limit`` values per channel each, split along dim 0, then spatial dims.
+
+    A chunk keeps the input's memory format where the split allows; otherwise the kernel takes its strided path.
+    """
+    per_channel = input.numel() // input.size(1)
+    if per_channel <= limit:
+        return [input]
+    for dim in [0] + list(range(2, input.dim())):
+        size = input.size(dim)
+        if size > 1:
+            step = max(1, limit // (per_channel // size))
+            return [chunk for part in input.split(step, dim) for chunk in _split_values_per_channel(part, limit)]
+    return [input]
 
 
 def _stable_biased_var(input: Tensor, dims: list[int]) -> Tensor:
@@ -82,8 +124,8 @@ def _stable_biased_var(input: Tensor, dims: list[int]) -> Tensor:
     On CPU the native batch-norm statistics kernel is a fast two-pass reduction for (N, C, *) contiguous
     input with spatial dims, but accumulates E[x^2] - E[x]^2 for (N, C) and channels_last layouts, which
     loses digits at large |mean|/std; those layouts use torch.var_mean (Welford) instead. Float16/bfloat16
-    input always takes the native kernel with float32 accumulation: its own rounding (2^-8 or 2^-11)
-    dwarfs the kernel's, and this avoids a float32 copy of the activations.
+    input always takes the native kernel with float32 accumulation (at most ``_REDUCED_PRECISION_CHUNK``
+    values per channel on CPU, see :func:`local_moments`), which avoids a float32 copy of the activations.
     """
     reduced_precision = input.dtype in (torch.float16, torch.bfloat16)
     if reduced_precision or (input.device.type == "cpu" and input.dim() > 2 and input.is_contiguous()):
