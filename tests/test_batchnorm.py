@@ -8,6 +8,7 @@ part); a failing case names itself in the worker's traceback.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from launcher import run_distributed
 from torch import Tensor, nn
 
@@ -24,6 +26,7 @@ from syncbn_dist import (
     SynchronizedBatchNorm1d,
     SynchronizedBatchNorm2d,
     SynchronizedBatchNorm3d,
+    convert_model,
 )
 
 pytestmark = pytest.mark.distributed
@@ -291,3 +294,306 @@ def test_matches_batchnorm_on_global_batch(world_size: int) -> None:
     results = run_distributed(_worker_global_batch, world_size, timeout=240)
     expected = sum(len(case.splits) for case in _global_batch_cases(world_size))
     assert results == [expected] * world_size
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Process subgroups: {0, 1} and {2, 3} at world size 4.
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _subgroup_cases(group_index: int) -> list[_Case]:
+    """The same cases for both groups, but each group draws its own data (seed) around its own mean."""
+    mean = (0.5, 3.0)[group_index]
+    splits = ([3, 5], [0, 4], [1, 1]) if group_index == 0 else ([6, 2], [2, 0], [3, 3])
+    return [
+        _Case("1d-NC", SynchronizedBatchNorm1d, (), splits, mean=mean),
+        _Case("2d/momentum=None", SynchronizedBatchNorm2d, (3, 2), splits, momentum=None, mean=mean),
+        _Case("generic-NCL/no-affine", SyncBatchNorm, (4,), splits, affine=False, mean=mean),
+    ]
+
+
+def _worker_subgroups(rank: int, world_size: int) -> int:
+    # Every rank creates every group, in the same order, as torch.distributed requires.
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group_index, member = divmod(rank, 2)
+    group = groups[group_index]
+    steps = 0
+    for index, case in enumerate(_subgroup_cases(group_index)):
+        steps += _check_case(case, member, process_group=group, seed=100 * (group_index + 1) + index)
+
+    # A layer converted with the group synchronizes over the group only: the running means of the two groups
+    # (one batch each, different data) agree within a group and differ between groups.
+    layer = convert_model(nn.BatchNorm2d(3), process_group=group)
+    x = _global_batch(
+        _Case("", SynchronizedBatchNorm2d, (2, 2), [], mean=(0.5, 3.0)[group_index]), 0, 8, seed=group_index
+    )[0]
+    layer(x[4 * member : 4 * member + 4].float())
+    assert layer.last_transport == "distributed"
+    gathered = [torch.empty(3) for _ in range(world_size)]
+    dist.all_gather(gathered, layer.running_mean)
+    torch.testing.assert_close(gathered[0], gathered[1], rtol=0, atol=0)  # same all-reduced sums, same value
+    torch.testing.assert_close(gathered[2], gathered[3], rtol=0, atol=0)
+    assert not torch.allclose(gathered[0], gathered[2], rtol=0.1, atol=0.1)
+    ref = nn.BatchNorm2d(3).double()
+    ref(x)
+    _assert_close(layer.running_mean, ref.running_mean, _RUNNING_TOL["running_mean"], "converted layer")
+    return steps
+
+
+def test_process_subgroups() -> None:
+    results = run_distributed(_worker_subgroups, 4, timeout=240)
+    assert results == [sum(len(case.splits) for case in _subgroup_cases(rank // 2)) for rank in range(4)]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Eval mode never communicates.
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _train_step(layer: nn.Module, ref: nn.Module, rank: int, split: Sequence[int], seed: int) -> None:
+    """One synchronized training forward/backward on every rank, checked against the float64 reference."""
+    case = _Case("train", SynchronizedBatchNorm2d, (3, 2), [split], num_features=layer.num_features)
+    x_global, grad_global = _global_batch(case, 0, sum(split), seed)
+    start = sum(split[:rank])
+    x = x_global[start : start + split[rank]].float().requires_grad_()
+    out = layer(x)
+    out.backward(grad_global[start : start + split[rank]].float())
+    out_ref = ref(x_global)
+    assert layer.last_transport == "distributed"
+    tol = _tolerances(x_global, grad_global, ref, ref.eps)  # float32 rounding, see _tolerances
+    _assert_close(out, out_ref[start : start + split[rank]], tol["output"], "training output")
+    _assert_close(layer.running_mean, ref.running_mean, tol["running_mean"], "running_mean")
+    _assert_close(layer.running_var, ref.running_var, tol["running_var"], "running_var")
+    assert torch.equal(layer.num_batches_tracked, ref.num_batches_tracked)
+
+
+def _worker_eval_is_local(rank: int, world_size: int) -> int:
+    layer = SynchronizedBatchNorm2d(4)
+    _init_params(layer, seed=1)
+    ref = nn.BatchNorm2d(4).double()
+    ref.load_state_dict(layer.state_dict())
+    _train_step(layer, ref, rank, [5, 3], seed=2)
+
+    # Only rank 0 evaluates, many times, while rank 1 waits at the barrier below: a single collective in eval
+    # mode would pair with the barrier or hang until the collective timeout, and fail this test.
+    layer.eval()
+    no_stats = SynchronizedBatchNorm2d(4, track_running_stats=False).eval()
+    evaluated = 0
+    if rank == 0:
+        eval_ref = nn.BatchNorm2d(4).eval()  # float32 on purpose: eval is exactly nn.BatchNorm, bit for bit
+        eval_ref.load_state_dict(layer.state_dict())
+        no_stats_ref = nn.BatchNorm2d(4, track_running_stats=False).eval()
+        state_before = {k: v.clone() for k, v in layer.state_dict().items()}
+        gen = torch.Generator().manual_seed(3)
+        for i in range(40):
+            x = torch.randn(1 + i % 5, 4, 3, 2, generator=gen) * 2 + 1
+            if i % 3 == 0:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with torch.set_grad_enabled(i % 2 == 0):
+                torch.testing.assert_close(layer(x), eval_ref(x), rtol=0, atol=0)  # same kernel, same inputs
+                assert layer.last_transport == "local"
+                if x.size(0) > 1:  # batch statistics of this rank's batch only, as torch.nn.SyncBatchNorm
+                    torch.testing.assert_close(no_stats(x), no_stats_ref(x), rtol=0, atol=0)
+                    assert no_stats.last_transport == "local"
+            evaluated += 1
+        for key, value in layer.state_dict().items():  # eval leaves every buffer alone
+            assert torch.equal(value, state_before[key]), key
+    dist.barrier()
+    # The collective streams are still aligned: a plain all_reduce and a synchronized step come out right.
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    assert total.item() == world_size * (world_size + 1) / 2
+    layer.train()
+    _train_step(layer, ref, rank, [2, 6], seed=4)
+    return evaluated
+
+
+def test_eval_mode_does_not_communicate() -> None:
+    assert run_distributed(_worker_eval_is_local, 2, timeout=120, collective_timeout=20) == [40, 0]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Errors: raised on every rank, with a clear message, without a hang.
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _expect_error(error: type[Exception], match: str, fn: Any, *args: Any) -> str:
+    with pytest.raises(error, match=match) as info:
+        fn(*args)
+    return str(info.value)
+
+
+def _worker_errors(rank: int, world_size: int) -> list[str]:
+    messages = []
+    # A global batch of one value per channel in training: rank 0 holds the one sample, rank 1 none.
+    for layer, shape in [
+        (SynchronizedBatchNorm1d(3), (3,)),
+        (SynchronizedBatchNorm1d(3), (3, 1)),
+        (SynchronizedBatchNorm2d(3), (3, 1, 1)),
+        (SyncBatchNorm(3), (3, 1, 1, 1)),
+    ]:
+        x = torch.randn((1 - rank,) + shape)
+        stats_before = (layer.running_mean.clone(), layer.running_var.clone())
+        messages.append(_expect_error(ValueError, "more than 1 value per channel", layer, x))
+        assert torch.equal(layer.running_mean, stats_before[0]) and torch.equal(layer.running_var, stats_before[1])
+    # Input checks: every rank gets the same wrong input, and nothing is sent.
+    messages.append(
+        _expect_error(ValueError, r"expected 4D input \(got 2D input\)", SynchronizedBatchNorm2d(3), torch.randn(4, 3))
+    )
+    messages.append(
+        _expect_error(
+            ValueError, r"expected 2D or 3D input \(got 4D input\)", SynchronizedBatchNorm1d(3), torch.randn(4, 3, 2, 2)
+        )
+    )
+    messages.append(
+        _expect_error(
+            ValueError, r"expected 5D input \(got 4D input\)", SynchronizedBatchNorm3d(3), torch.randn(4, 3, 2, 2)
+        )
+    )
+    messages.append(
+        _expect_error(ValueError, r"expected at least 2D input \(got 1D input\)", SyncBatchNorm(3), torch.randn(4))
+    )
+    messages.append(
+        _expect_error(ValueError, "3 channels.*5 channels", SynchronizedBatchNorm2d(3), torch.randn(4, 5, 2, 2))
+    )
+    messages.append(
+        _expect_error(TypeError, "floating point", SynchronizedBatchNorm2d(3), torch.randint(0, 5, (4, 3, 2, 2)))
+    )
+    # A group without this rank: new_group is called on every rank, but only rank 0 is a member.
+    solo = dist.new_group([0])
+    layer = SynchronizedBatchNorm2d(3, process_group=solo)
+    x = torch.randn(4, 3, 2, 2)
+    if rank == 1:
+        messages.append(_expect_error(ValueError, "not a member", layer, x))
+    else:  # a group of one needs no communication: plain batch norm on the local batch
+        ref = nn.BatchNorm2d(3)
+        torch.testing.assert_close(layer(x), ref(x), rtol=1e-6, atol=1e-6)  # float32 rounding, different kernels
+        assert layer.last_transport == "local"
+
+    # No rank is left behind in a collective: a synchronized step afterwards is exact.
+    layer = SynchronizedBatchNorm2d(3)
+    ref = nn.BatchNorm2d(3).double()
+    ref.load_state_dict(layer.state_dict())
+    _train_step(layer, ref, rank, [3, 4], seed=5)
+    return messages
+
+
+def test_errors_raise_on_every_rank() -> None:
+    results = run_distributed(_worker_errors, 2, timeout=120, collective_timeout=20)
+    assert len(results[0]) == 10 and len(results[1]) == 11  # rank 1 also hit the foreign group
+    for message in results[0] + results[1]:
+        assert "expected" in message.lower() or "not a member" in message, message
+
+
+# ------------------------------------------------------------------------------------------------------------
+# DistributedDataParallel training equals single-process training on the global batch.
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _small_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 6, 3, stride=2, padding=1),
+        nn.BatchNorm2d(6, momentum=None),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(6, 5),
+        nn.BatchNorm1d(5),
+        nn.ReLU(),
+        nn.Linear(5, 3),
+    )
+
+
+def _worker_ddp(rank: int, world_size: int, dtype: torch.dtype) -> int:
+    torch.manual_seed(0)
+    model = _small_cnn().to(dtype)
+    reference = copy.deepcopy(model).double()
+    ddp = nn.parallel.DistributedDataParallel(convert_model(model))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.2, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
+    splits = [[6, 4], [3, 7], [5, 5], [8, 2]]
+    gen = torch.Generator().manual_seed(1)
+    for split in splits:
+        total = sum(split)
+        x = torch.randn(total, 3, 8, 8, generator=gen, dtype=torch.float64) * 2 + 0.5
+        y = torch.randint(0, 3, (total,), generator=gen)
+        start = sum(split[:rank])
+        rows = slice(start, start + split[rank])
+        # DDP averages gradients over ranks, so each rank's loss is its share of the global mean times the
+        # world size: mean_r(grad(sum_local * W / N)) = grad(sum_all / N), the global-batch mean loss.
+        loss = F.cross_entropy(ddp(x[rows].to(dtype)), y[rows], reduction="sum") * world_size / total
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        ref_loss = F.cross_entropy(reference(x), y)
+        ref_optimizer.zero_grad()
+        ref_loss.backward()
+        ref_optimizer.step()
+    assert all(m.last_transport == "distributed" for m in ddp.modules() if isinstance(m, SyncBatchNorm))
+    # float64: only float64 rounding. float32: four SGD steps of a small net amplify float32 rounding of the
+    # forward and backward (~1e-7) by the conditioning of the steps; measured ~1e-6, allowed 1e-4.
+    tol = 1e-9 if dtype == torch.float64 else 1e-4
+    ref_state = reference.state_dict()
+    state = ddp.module.state_dict()
+    assert state.keys() == ref_state.keys()
+    for key, value in state.items():
+        if key.endswith("num_batches_tracked"):
+            assert value.item() == ref_state[key].item() == len(splits), key
+        else:
+            torch.testing.assert_close(
+                value.double(), ref_state[key], rtol=tol, atol=tol, msg=lambda m, k=key: f"{k}: {m}"
+            )
+    return len(splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ddp_training_matches_single_process(dtype: torch.dtype) -> None:
+    assert run_distributed(_worker_ddp, 2, dtype, timeout=120) == [4, 4]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# NCCL on CUDA: the same math with the tensors and the group on GPUs.
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _worker_nccl(rank: int, world_size: int) -> int:
+    torch.cuda.set_device(rank)
+    group = dist.new_group(backend="nccl")  # the launcher's world group is gloo; this one runs on the GPUs
+    device = torch.device("cuda", rank)
+    layer = SynchronizedBatchNorm2d(3, process_group=group, device=device)
+    _init_params(layer, seed=0)
+    ref = nn.BatchNorm2d(3).double()
+    ref.load_state_dict(layer.state_dict())
+    splits = [[5, 3], [0, 4], [2, 2]]
+    for step, split in enumerate(splits):
+        case = _Case("nccl", SynchronizedBatchNorm2d, (3, 2), [split])
+        x_global, grad_global = _global_batch(case, step, sum(split), seed=6)
+        start = sum(split[:rank])
+        rows = slice(start, start + split[rank])
+        x = x_global[rows].float().to(device).requires_grad_()
+        layer.zero_grad()
+        ref.zero_grad()
+        out = layer(x)
+        out.backward(grad_global[rows].float().to(device))
+        x_ref = x_global.clone().requires_grad_()
+        out_ref = ref(x_ref)
+        out_ref.backward(grad_global)
+        assert layer.last_transport == "distributed" and out.device == device
+        grads = torch.cat([layer.weight.grad, layer.bias.grad])
+        dist.all_reduce(grads, group=group)
+        tol = _tolerances(x_global, grad_global, ref, ref.eps)  # float32 rounding, see _tolerances
+        _assert_close(out.cpu(), out_ref[rows], tol["output"], f"nccl step {step}: output")
+        _assert_close(x.grad.cpu(), x_ref.grad[rows], tol["grad_input"], f"nccl step {step}: grad_input")
+        _assert_close(grads.cpu(), torch.cat([ref.weight.grad, ref.bias.grad]), tol["grad_param"], "nccl grads")
+        _assert_close(layer.running_mean.cpu(), ref.running_mean, tol["running_mean"], "nccl running_mean")
+        _assert_close(layer.running_var.cpu(), ref.running_var, tol["running_var"], "nccl running_var")
+    return len(splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices for an NCCL group")
+def test_nccl_matches_batchnorm_on_global_batch() -> None:
+    assert run_distributed(_worker_nccl, 2, timeout=180) == [3, 3]

@@ -1,0 +1,266 @@
+"""Tests of syncbn_dist.convert: convert_model / revert_model keep tensors, settings and state_dict, at any depth.
+
+Single process (torch.distributed not initialized, so every synchronized layer runs locally), except the
+DistributedDataParallel check, which needs a real one-rank gloo group from ``tests/launcher.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from launcher import run_distributed
+from torch import Tensor, nn
+
+from syncbn_dist import (
+    DataParallelWithCallback,
+    SyncBatchNorm,
+    SynchronizedBatchNorm1d,
+    SynchronizedBatchNorm2d,
+    SynchronizedBatchNorm3d,
+    convert_model,
+    revert_model,
+)
+
+_SYNC_OF = {
+    nn.BatchNorm1d: SynchronizedBatchNorm1d,
+    nn.BatchNorm2d: SynchronizedBatchNorm2d,
+    nn.BatchNorm3d: SynchronizedBatchNorm3d,
+    nn.SyncBatchNorm: SyncBatchNorm,
+}
+
+
+class _Block(nn.Module):
+    """Layers as plain attributes, plus a nested container."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.norm = nn.BatchNorm2d(4, eps=1e-3, momentum=None)
+        self.inner = nn.Sequential(nn.ReLU(), nn.BatchNorm2d(4, affine=False))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(self.norm(self.conv(x)))
+
+
+class _Net(nn.Module):
+    """BatchNorm layers at every kind of position: Sequential, ModuleList, ModuleDict, attribute, nested."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(_Block(), nn.Sequential(nn.BatchNorm2d(4, track_running_stats=False)))
+        self.heads = nn.ModuleList([nn.BatchNorm1d(4), nn.ModuleList([nn.BatchNorm1d(4, momentum=0.3)])])
+        self.volumes = nn.ModuleDict({"bn": nn.BatchNorm3d(2, dtype=torch.float64), "sync": nn.SyncBatchNorm(2)})
+        self.untouched = nn.ModuleList(
+            [nn.InstanceNorm2d(4, affine=True, track_running_stats=True), nn.LazyBatchNorm2d(), nn.GroupNorm(2, 4)]
+        )
+        self.stem[0].norm.weight.requires_grad_(False)
+        self.stem[0].inner[1].eval()
+        self.heads[0].qconfig = "a qconfig"
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.stem(x)
+        v = self.heads[1][0](self.heads[0](y.mean(dim=(2, 3))))
+        return v
+
+
+def _bn_layers(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+
+
+def _settings(m: nn.Module) -> tuple:
+    return (m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats, m.training, getattr(m, "qconfig", 0))
+
+
+def test_convert_replaces_every_batchnorm_keeping_tensors_and_settings() -> None:
+    model = _Net()
+    before = {
+        name: (type(m), _settings(m), dict(m.named_parameters()), dict(m.named_buffers()))
+        for name, m in _bn_layers(model).items()
+        if not isinstance(m, nn.LazyBatchNorm2d)
+    }
+    untouched = list(model.untouched)
+    assert len(before) == 7
+
+    assert convert_model(model) is model
+    after = _bn_layers(model)
+    for name, (cls, settings, params, buffers) in before.items():
+        layer = after[name]
+        assert type(layer) is _SYNC_OF[cls], name
+        assert _settings(layer) == settings, name
+        assert layer.process_group is None, name
+        for key, tensor in {**params, **buffers}.items():
+            new = getattr(layer, key)
+            # The very same tensor objects: values, dtype, requires_grad and the optimizer's references survive.
+            assert new is tensor, (name, key)
+            assert new.data_ptr() == tensor.data_ptr(), (name, key)
+        assert dict(layer.named_parameters()).keys() == params.keys(), name
+        assert dict(layer.named_buffers()).keys() == buffers.keys(), name
+    assert not model.stem[0].norm.weight.requires_grad and model.stem[0].norm.bias.requires_grad
+    assert model.volumes["bn"].weight.dtype == torch.float64 and model.volumes["bn"].running_var.dtype == torch.float64
+    assert model.stem[0].norm.momentum is None
+    assert model.stem[0].inner[1].weight is None and not model.stem[0].inner[1].affine
+    assert model.stem[1][0].running_mean is None and not model.stem[1][0].track_running_stats
+    assert not model.stem[0].inner[1].training and model.stem[0].norm.training
+    assert model.heads[0].qconfig == "a qconfig"
+    # InstanceNorm, LazyBatchNorm and GroupNorm are left exactly as they were.
+    assert all(a is b for a, b in zip(model.untouched, untouched))
+    assert type(model.untouched[1]) is nn.LazyBatchNorm2d
+
+
+def test_convert_process_group() -> None:
+    given, own = object(), object()  # stand-ins: the group is only stored until a forward in training mode
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.SyncBatchNorm(3, process_group=own))
+    convert_model(model)
+    assert model[0].process_group is None and model[1].process_group is own  # nn.SyncBatchNorm keeps its group
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.SyncBatchNorm(3, process_group=own), SynchronizedBatchNorm1d(3))
+    convert_model(model, process_group=given)
+    assert all(layer.process_group is given for layer in model)
+
+
+@pytest.mark.parametrize("cls", [nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm])
+def test_convert_single_layer_returns_converted_layer(cls: type[nn.Module]) -> None:
+    layer = cls(5, momentum=None)
+    converted = convert_model(layer)
+    assert type(converted) is _SYNC_OF[cls]
+    assert converted.weight is layer.weight and converted.running_var is layer.running_var
+    assert converted.momentum is None
+
+
+def test_convert_leaves_relatives_alone() -> None:
+    for layer in [
+        nn.InstanceNorm1d(3, track_running_stats=True),
+        nn.LazyBatchNorm1d(),
+        nn.LayerNorm(3),
+        nn.Linear(3, 3),
+    ]:
+        assert convert_model(layer) is layer
+
+
+def test_revert_round_trip() -> None:
+    model = _Net()
+    del model.untouched[1]  # an uninitialized LazyBatchNorm has no state_dict values to compare
+    model(torch.randn(4, 3, 5, 5))  # non-trivial running statistics and num_batches_tracked
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    types = {name: type(m) for name, m in _bn_layers(model).items()}
+
+    reverted = revert_model(convert_model(model))
+    assert reverted is model
+    assert {name: type(m) for name, m in _bn_layers(model).items()} == types
+    new_state = model.state_dict()
+    assert list(new_state.keys()) == list(state.keys())
+    for key, value in state.items():
+        assert new_state[key].dtype == value.dtype, key
+        torch.testing.assert_close(new_state[key], value, rtol=0, atol=0)  # same tensors: bit for bit
+
+
+@pytest.mark.parametrize("cls", [SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d])
+def test_revert_single_layer(cls: type[SyncBatchNorm]) -> None:
+    layer = cls(4, eps=1e-4, momentum=None, affine=False)
+    plain = revert_model(layer)
+    assert type(plain) is {v: k for k, v in _SYNC_OF.items()}[cls]
+    assert plain.running_mean is layer.running_mean and plain.eps == 1e-4 and plain.momentum is None
+    assert not plain.affine
+
+
+def test_state_dict_loads_both_ways() -> None:
+    torch.manual_seed(0)
+    plain = nn.BatchNorm2d(3)
+    plain(torch.randn(6, 3, 2, 2) * 3 + 1)
+    with torch.no_grad():
+        plain.weight.uniform_(0.5, 1.5)
+        plain.bias.uniform_(-1, 1)
+    sync = SynchronizedBatchNorm2d(3)
+    sync.load_state_dict(plain.state_dict())  # strict: same keys
+    back = nn.BatchNorm2d(3)
+    back.load_state_dict(sync.state_dict())
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(sync.state_dict()[key], value, rtol=0, atol=0)  # copies of the same values
+        torch.testing.assert_close(back.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_convert_data_parallel() -> None:
+    module = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3))
+    dp = nn.DataParallel(module)
+    dp.dim = 1  # on a CPU-only machine nn.DataParallel sets no dim; a CUDA one would have it
+    converted = convert_model(dp)
+    assert type(converted) is DataParallelWithCallback
+    assert converted.module is module and type(module[1]) is SynchronizedBatchNorm2d
+    assert converted.dim == 1
+    assert list(converted.device_ids) == list(dp.device_ids)
+    if not torch.cuda.is_available():
+        assert converted.device_ids == []
+
+    threaded = DataParallelWithCallback(nn.Sequential(nn.BatchNorm1d(2)), cpu_replicas=2)
+    again = convert_model(threaded)
+    assert type(again) is DataParallelWithCallback and again.cpu_replicas == 2
+    assert type(again.module[0]) is SynchronizedBatchNorm1d
+
+    reverted = revert_model(converted)
+    assert reverted is converted and type(module[1]) is nn.BatchNorm2d
+
+
+def _worker_ddp_rejected(rank: int, world_size: int) -> str:
+    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)))
+    with pytest.raises(TypeError, match="DistributedDataParallel") as info:
+        convert_model(ddp)
+    assert type(ddp.module[1]) is nn.BatchNorm1d  # nothing was converted behind DDP's back
+    return str(info.value)
+
+
+@pytest.mark.distributed
+def test_convert_rejects_ddp() -> None:
+    (message,) = run_distributed(_worker_ddp_rejected, 1, timeout=60)
+    assert "convert the model first" in message
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv3d(2, 3, 1),
+        nn.BatchNorm3d(3),
+        nn.Flatten(2),
+        nn.BatchNorm1d(3, momentum=None),
+        nn.Flatten(1),
+        nn.Linear(3 * 8, 4),
+        nn.BatchNorm1d(4, affine=False),
+    )
+
+
+def test_converted_model_equals_batchnorm_exactly() -> None:
+    torch.manual_seed(1)
+    plain = _cnn()
+    converted = convert_model(copy.deepcopy(plain))
+    x = torch.randn(5, 2, 2, 2, 2) * 2 + 1
+    # Training mode without torch.distributed: the local path, which is nn.BatchNorm itself (same kernels).
+    for _ in range(3):
+        torch.testing.assert_close(converted(x), plain(x), rtol=0, atol=0)
+    assert all(m.last_transport == "local" for m in converted.modules() if isinstance(m, SyncBatchNorm))
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(converted.state_dict()[key], value, rtol=0, atol=0)
+    plain.eval()
+    converted.eval()
+    y = torch.randn(3, 2, 2, 2, 2)
+    torch.testing.assert_close(converted(y), plain(y), rtol=0, atol=0)  # eval: the same running-stat kernel
+
+
+def test_optimizer_built_before_convert_updates_converted_layers() -> None:
+    torch.manual_seed(2)
+    model = _cnn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    reference = copy.deepcopy(model)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    convert_model(model)
+    layer = model[1]
+    assert any(p is layer.weight for p in optimizer.param_groups[0]["params"])
+    weight_before = layer.weight.detach().clone()
+    x, target = torch.randn(6, 2, 2, 2, 2), torch.randn(6, 4)
+    for net, opt in [(model, optimizer), (reference, ref_optimizer)]:
+        opt.zero_grad()
+        F.mse_loss(net(x), target).backward()
+        opt.step()
+    assert not torch.equal(layer.weight, weight_before)
+    # The converted model's step is the plain model's step: same kernels in local mode.
+    for (key, value), ref_value in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(value, ref_value, rtol=0, atol=0, msg=key)
