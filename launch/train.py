@@ -40,8 +40,6 @@ from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type
 import torch
 import torch.distributed as dist
 import yaml
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -241,8 +239,8 @@ def check_launch(cfg: Config, env: dict[str, str] | None = None) -> None:
     """Reject a config that cannot run in this launch (torchrun or not, CUDA or not), before any setup.
 
     Raises:
-        ConfigError: for ``parallel: dataparallel`` under torchrun with more than one process, or
-            ``device: cuda`` without CUDA.
+        ConfigError: for ``parallel: dataparallel`` under torchrun with more than one process,
+            ``device: cuda`` without CUDA, or more processes on this node than GPUs.
     """
     env = os.environ if env is None else env
     world_size = int(env.get("WORLD_SIZE", "1"))
@@ -253,6 +251,12 @@ def check_launch(cfg: Config, env: dict[str, str] | None = None) -> None:
         )
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("config key 'device': 'cuda' was asked for but CUDA is not available")
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    if cfg.device != "cpu" and torch.cuda.is_available() and local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"config key 'device': local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} "
+            "visible); start at most one process per GPU, or set device=cpu"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -304,10 +308,15 @@ def _pick_device(cfg: Config, local_rank: int) -> torch.device:
 def init_distributed(cfg: Config) -> Runtime:
     """Start the default process group under torchrun (``RANK`` set): nccl for CUDA, gloo for CPU.
 
-    Without torchrun this is one process (rank 0, world size 1) and no group is started.
+    Without torchrun this is one process (rank 0, world size 1) and no group is started. CPU thread
+    replicas get one intra-op thread each unless ``OMP_NUM_THREADS`` says otherwise.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _pick_device(cfg, local_rank)
+    if cfg.parallel == "dataparallel" and device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # The replica threads are the parallelism, as torchrun's processes are (torchrun sets
+        # OMP_NUM_THREADS=1): intra-op threads on top of them oversubscribe the cores, ~10x slower here.
+        torch.set_num_threads(1)
     if "RANK" not in os.environ:
         return Runtime(0, 1, device, distributed=False)
     if device.type == "cuda":
@@ -327,6 +336,10 @@ def load_data(cfg: DataConfig) -> tuple[TensorDataset, TensorDataset]:
 
     Pixels (0..16) are standardized with the mean and std of the training images only.
     """
+    # Imported here: scikit-learn (and SciPy) take seconds to import, which a bad config should not wait for.
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     digits = load_digits()
     images = torch.from_numpy(digits.images).float().unsqueeze(1)
     labels = torch.from_numpy(digits.target).long()
@@ -554,6 +567,8 @@ def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, 0o644)  # mkstemp makes the file private; outputs are ordinary files
         with os.fdopen(fd, "wb") as file:
             write(file)
             file.flush()
