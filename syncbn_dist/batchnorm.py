@@ -154,6 +154,10 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input(input)
         transport = self._select_transport()
         self._transport_record[0] = "local" if transport is None else transport.name
+        if transport is None and not (self.training and self.track_running_stats and self.running_mean is not None):
+            # No buffer update, so a checkpoint recomputation needs no special care; skipping the check keeps
+            # eval mode free of graph breaks under torch.compile (dynamo cannot trace _is_recomputing).
+            return super().forward(input)
         if _is_recomputing():
             return self._recompute_forward(input, transport)
         if transport is None:
