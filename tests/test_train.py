@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 from launcher import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
