@@ -116,6 +116,9 @@ def _gather(outputs: Sequence[Any], dim: int) -> Any:
     """Concatenate replica outputs along ``dim`` (recursively through tuples, lists and dicts)."""
     first = outputs[0]
     if isinstance(first, Tensor):
+        if all(output.dim() == 0 for output in outputs):
+            # Scalars (e.g. a per-replica loss) become a vector, as nn.DataParallel's gather makes them.
+            return torch.stack(list(outputs))
         return torch.cat(list(outputs), dim)
     if first is None:
         return None
