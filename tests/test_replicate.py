@@ -479,6 +479,30 @@ def test_data_parallel_with_callback_kwargs_and_tuple_outputs() -> None:
     assert sync.bn.last_transport == "dataparallel"
 
 
+class _LossNet(nn.Module):
+    """Returns a scalar per call (a loss), which DataParallel gathers into one entry per replica."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(C)
+
+    def forward(self, x: Tensor, target: Tensor) -> Tensor:
+        return ((self.bn(x) - target) ** 2).sum()
+
+
+@pytest.mark.timeout(60)
+def test_data_parallel_with_callback_gathers_scalar_outputs_into_a_vector() -> None:
+    sync, reference = _sync_and_reference(_LossNet())
+    parallel = DataParallelWithCallback(sync, cpu_replicas=3)
+    x, target = _data(8, (), mean=0.5), _data(8, (), seed=4)
+    losses = parallel(x.float(), target.float())
+    assert losses.shape == (3,)  # chunks of 3, 3, 2 rows
+    normalized = reference.bn(x)  # the global batch statistics
+    expected = torch.stack([((n - t) ** 2).sum() for n, t in zip(normalized.split(3), target.split(3))])
+    # Sums of a few O(1) float32 squares.
+    torch.testing.assert_close(losses.double(), expected.detach(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("batch, used", [(3, [0, 1, 2]), (2, [0, 1]), (1, [0])])
 def test_data_parallel_with_callback_batch_smaller_than_cpu_replicas(batch: int, used: list[int]) -> None:
