@@ -93,6 +93,7 @@ class ModelConfig:
     width: int = _positive(32)  # channels of the first block; later layers use 2x and 4x
     dropout: float = _fraction(0.1, "in [0, 1)", lambda v: 0 <= v < 1)
     bn_momentum: float = _fraction(0.1, "in (0, 1]", lambda v: 0 < v <= 1)
+    sync_bn: bool = True  # false keeps plain per-rank BatchNorm (the baseline of `make compare`)
 
 
 @dataclass
@@ -448,7 +449,8 @@ def build_model(cfg: Config, runtime: Runtime) -> tuple[nn.Module, nn.Module, in
     net = net.to(runtime.device)
     if runtime.world_size == 1:
         return net, net, 1
-    net = syncbn_dist.convert_model(net)
+    if cfg.model.sync_bn:
+        net = syncbn_dist.convert_model(net)
     # No buffer sync in forward: DDP would otherwise copy rank 0's running statistics to every rank at each
     # step and hide any divergence; synchronized BatchNorm keeps them equal, and check_same_on_all_ranks
     # verifies that at the end. (torch >= 2.13 spells it forward_sync_buffers, older ones broadcast_buffers.)
@@ -666,6 +668,10 @@ def run(cfg: Config, runtime: Runtime) -> int:
         loss, train_acc = train_one_epoch(model, train_loader, optimizer, runtime, desc, cfg.progress_bar)
         metrics["bn_transport"] = bn_transports(net)  # how BatchNorm synchronized during training
         scheduler.step()
+        if not cfg.model.sync_bn:
+            # Plain BatchNorm leaves every rank with its own running statistics; average them before
+            # evaluating, as timm's distribute_bn does (one packed collective; a no-op on one process).
+            syncbn_dist.sync_running_stats(net)
         test_acc = evaluate(net, test_loader, runtime.device)
         epoch_time = time.perf_counter() - epoch_start
         row = {
