@@ -49,9 +49,13 @@ class ScenarioConfig:
     batch_size: int = 8  # per rank
     num_classes: int = 10
     broadcast_buffers: bool = True  # DDP's default
+    # DDP bucket size; None: DDP's default (1 MiB first bucket, then 25 MiB).
+    bucket_cap_mb: Optional[float] = None
     seed: int = 0
     warmup_steps: int = 3
-    rounds: int = 30
+    rounds: int = 30  # at most; fewer if round_budget_s runs out first
+    min_rounds: int = 5
+    round_budget_s: float = 60.0  # per world size: no new round starts after this many seconds of rounds
     steps_per_round: int = 1
     floor_repeats: int = 20
     memory_steps: int = 2
@@ -179,6 +183,9 @@ def load_config(path: str, overrides: Optional[list[str]] = None) -> tuple[Bench
         for key, value in scenario_overrides:
             _apply_override(scenario_raw, key, value)
         scenario = from_dict(ScenarioConfig, scenario_raw, f"{os.path.basename(resolved)}:")
+        cap = scenario.bucket_cap_mb
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+            raise TypeError(f"config key 'bucket_cap_mb': expected null or a positive number (got {cap!r})")
         bad = [v for v in scenario.variants if v not in VARIANTS]
         if bad:
             raise ValueError(f"scenario {scenario.name!r}: unknown variant {bad[0]!r} (expected one of {VARIANTS})")
@@ -226,16 +233,16 @@ def run(cfg: BenchConfig, scenarios: list[ScenarioConfig], command: str) -> dict
         for world_size in scenario.world_sizes:
             backend = pick_backend(world_size, scenario.device)
             print(f"[bench] {scenario.name}: world size {world_size} ({backend}) ...", flush=True)
-            runs.append(
-                launch(
-                    step_worker,
-                    world_size,
-                    dataclasses.asdict(scenario),
-                    backend=backend,
-                    threads=scenario.threads,
-                    timeout_s=scenario.timeout_s,
-                )
+            launched = time.perf_counter()
+            result = launch(
+                step_worker,
+                world_size,
+                dataclasses.asdict(scenario),
+                backend=backend,
+                threads=scenario.threads,
+                timeout_s=scenario.timeout_s,
             )
+            runs.append({**result, "wall_seconds": round(time.perf_counter() - launched, 1)})
         raw_scenarios.append({"config": dataclasses.asdict(scenario), "runs": runs})
     micro = None
     if cfg.micro.enabled:

@@ -14,6 +14,7 @@ Targets (from the benchmark issue; reported, never asserted by tests):
 from __future__ import annotations
 
 import json
+import random
 import statistics
 from typing import Any, Optional
 
@@ -26,6 +27,7 @@ P5_BOUND = 1.02  # (b) on DDP's group / (b') on a dedicated group; above this th
 P6_BOUND = 1.3
 _ALL_GATHER_OPS = ("all_gather", "all_gather_into_tensor", "all_to_all")
 _SYNCBN_VARIANTS = ("syncbn_dist", "syncbn_dist_dedicated")
+_BOOTSTRAP_SAMPLES = 2000
 
 
 def _quantiles(values: list[float]) -> tuple[float, float, float]:
@@ -33,6 +35,21 @@ def _quantiles(values: list[float]) -> tuple[float, float, float]:
         return values[0], values[0], values[0]
     q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return q1, statistics.median(values), q3
+
+
+def _paired_difference(first: list[float], second: list[float]) -> dict[str, float]:
+    """Median of the per-round differences ``second - first`` with a 95% bootstrap interval (fixed seed).
+
+    Both lists come from the same interleaved rounds, so pairing by round cancels drift common to a round.
+    """
+    diffs = [b - a for a, b in zip(first, second)]
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(_BOOTSTRAP_SAMPLES))
+    return {
+        "median": statistics.median(diffs),
+        "ci95_low": medians[int(0.025 * _BOOTSTRAP_SAMPLES)],
+        "ci95_high": medians[int(0.975 * _BOOTSTRAP_SAMPLES) - 1],
+    }
 
 
 def _collective_summary(calls: list[dict[str, Any]]) -> dict[str, Any]:
@@ -96,6 +113,8 @@ def _summarize_run(run: dict[str, Any], scenario: dict[str, Any]) -> dict[str, A
         floor_s = (floor_s or 0.0) + latency * probe["per_step"]
     result: dict[str, Any] = {
         "world_size": run["world_size"],
+        "wall_seconds": run.get("wall_seconds"),
+        "stage_seconds": run["stage_seconds"],
         "backend": run["backend"],
         "device": run["device"],
         "skipped_variants": run["skipped_variants"],
@@ -111,10 +130,13 @@ def _summarize_run(run: dict[str, Any], scenario: dict[str, Any]) -> dict[str, A
             variants[name]["collectives_match_expected"] = _matches(
                 variants[name]["collectives"], result["expected_collectives"]
             )
+    if "syncbn_dist" in medians and "syncbn_dist_dedicated" in medians:
+        paired = _paired_difference(run["step_seconds"]["syncbn_dist_dedicated"], run["step_seconds"]["syncbn_dist"])
+        result["shared_minus_dedicated_paired_ms"] = {key: 1e3 * value for key, value in paired.items()}
     if "bn" in medians and "syncbn_dist" in medians:
         result["overhead_ms"] = 1e3 * (medians["syncbn_dist"] - medians["bn"])
-        paired = [b - a for a, b in zip(run["step_seconds"]["bn"], run["step_seconds"]["syncbn_dist"])]
-        result["overhead_paired_ms"] = 1e3 * statistics.median(paired)
+        paired = _paired_difference(run["step_seconds"]["bn"], run["step_seconds"]["syncbn_dist"])
+        result["overhead_paired_ms"] = {key: 1e3 * value for key, value in paired.items()}
         result["overhead_over_floor"] = result["overhead_ms"] / result["floor_ms"] if result["floor_ms"] else None
     return result
 
@@ -138,12 +160,13 @@ def _targets(scenarios: dict[str, Any], micro: Optional[dict[str, Any]], compute
     where = f"{compute}, W={compute_run['world_size']}" if compute_run else compute
 
     ratio = compute_run.get("overhead_over_floor") if compute_run else None
-    detail = (
-        f"{where}: (b)-(a) = {compute_run['overhead_ms']:.3f} ms (paired median {compute_run['overhead_paired_ms']:.3f}"
-        f" ms), floor = {compute_run['floor_ms']:.3f} ms"
-        if ratio is not None
-        else "not measured"
-    )
+    detail = "not measured"
+    if ratio is not None:
+        paired = compute_run["overhead_paired_ms"]
+        detail = (
+            f"{where}: (b)-(a) = {compute_run['overhead_ms']:.3f} ms (paired median {paired['median']:.3f} ms,"
+            f" 95% CI [{paired['ci95_low']:.3f}, {paired['ci95_high']:.3f}]), floor = {compute_run['floor_ms']:.3f} ms"
+        )
     targets.append(_target("P1", "(b)-(a) <= 1.1 x communication floor", ratio, P1_BOUND, _le(ratio, P1_BOUND), detail))
 
     ratio, detail = None, "not measured"
@@ -202,9 +225,17 @@ def _targets(scenarios: dict[str, Any], micro: Optional[dict[str, Any]], compute
             if {"syncbn_dist", "syncbn_dist_dedicated"} <= set(run["variants"]):
                 shared = run["variants"]["syncbn_dist"]["median_ms"]
                 dedicated = run["variants"]["syncbn_dist_dedicated"]["median_ms"]
-                ratios.append((name, run["world_size"], shared / dedicated))
-    compute_ratio = next((r for n, w, r in ratios if n == compute), None)
-    detail = ", ".join(f"{n} W={w}: {r:.3f}" for n, w, r in ratios) or "not measured"
+                paired = run["shared_minus_dedicated_paired_ms"]
+                ratios.append((name, run["world_size"], shared / dedicated, paired))
+    compute_ratio = next((r for n, w, r, _ in ratios if n == compute), None)
+    detail = (
+        "; ".join(
+            f"{n} W={w}: {r:.3f} (paired (b)-(b') {p['median']:.3f} ms, 95% CI [{p['ci95_low']:.3f}, "
+            f"{p['ci95_high']:.3f}])"
+            for n, w, r, p in ratios
+        )
+        or "not measured"
+    )
     targets.append(
         _target(
             "P5",
@@ -295,7 +326,6 @@ def markdown(summary: dict[str, Any]) -> str:
     )
     rows = []
     for name, scenario in summary["scenarios"].items():
-        cfg = scenario["config"]
         for run in scenario["runs"]:
             v = run["variants"]
             cells = [_fmt(v[n]["median_ms"]) if n in v else "n/a" for n in names]
@@ -304,7 +334,7 @@ def markdown(summary: dict[str, Any]) -> str:
             )
             rows.append(
                 [
-                    f"{name} (w{cfg['width']}, L{cfg['num_layers']}, N{cfg['batch_size']}, {cfg['image_size']}²)",
+                    name,
                     str(run["world_size"]),
                     run["backend"],
                 ]
@@ -318,6 +348,17 @@ def markdown(summary: dict[str, Any]) -> str:
                 ]
             )
     out += _table(header, rows)
+    out.append("")
+    for name, scenario in summary["scenarios"].items():
+        cfg = scenario["config"]
+        walls = ", ".join(f"W={r['world_size']} {r['wall_seconds']} s" for r in scenario["runs"])
+        rounds = "/".join(str(next(iter(r["variants"].values()))["rounds"]) for r in scenario["runs"])
+        out.append(
+            f"- {name}: {cfg['num_layers']} × (conv3x3 → BatchNorm2d → ReLU) at width {cfg['width']}, batch "
+            f"{cfg['batch_size']} per rank, {cfg['image_size']}×{cfg['image_size']} input, DDP bucket cap "
+            f"{cfg['bucket_cap_mb'] or 'default'} MiB, {rounds} rounds × {cfg['steps_per_round']} step(s), "
+            f"{cfg['threads']} thread(s) per rank; wall time {walls}"
+        )
     out += [
         "",
         "floor = Σ over (b)'s collectives per step of the median latency of an all_reduce of that payload on the same "

@@ -6,10 +6,11 @@ same initial weights and its own fixed batch, then:
 1. warms every variant up;
 2. runs one step of each variant under a :class:`~bench_dist.CollectiveCounter` (collectives per step and
    bytes per collective, counted, by phase);
-3. runs ``rounds`` interleaved rounds (``bn, syncbn_dist, ..., floor probe, bn, syncbn_dist, ...``) so that
-   machine drift hits every variant alike. A variant's time in a round is the mean of ``steps_per_round``
-   steps, the slowest rank's. The floor probe times ``floor_repeats`` back-to-back ``all_reduce`` calls of
-   each payload size that (b) sends, on DDP's group;
+3. runs ``rounds`` interleaved rounds (``A B C floor, B C A floor, C A B floor, ...``: every variant once per
+   round, the starting one rotating) so that machine drift and position effects hit every variant alike. A
+   variant's time in a round is the mean of ``steps_per_round`` steps, the slowest rank's. The floor probe
+   times ``floor_repeats`` back-to-back ``all_reduce`` calls of each payload size that (b) sends, on DDP's
+   group;
 4. measures peak memory of each variant (see :func:`_measure_memory`);
 5. optionally profiles one step of (a) and (b).
 
@@ -44,11 +45,16 @@ _DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
 class _Runner:
     """One variant's DDP model, optimizer and fixed batch; :meth:`step` is one training step."""
 
-    def __init__(self, model: nn.Module, device: torch.device, broadcast_buffers: bool, x: Any, y: Any) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, scenario: dict[str, Any], x: Any, y: Any) -> None:
         device_ids = [device.index] if device.type == "cuda" else None
         # Newer torch renames broadcast_buffers to forward_sync_buffers (and warns on the old name).
         key = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMETERS else "broadcast_buffers"
-        self.model = DistributedDataParallel(model, device_ids=device_ids, **{key: broadcast_buffers})
+        self.model = DistributedDataParallel(
+            model,
+            device_ids=device_ids,
+            bucket_cap_mb=scenario["bucket_cap_mb"],
+            **{key: scenario["broadcast_buffers"]},
+        )
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.x, self.y = x, y
 
@@ -201,6 +207,7 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
 
 def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[str, Any]:
     """Measure every variant of ``scenario`` (a :class:`bench.ScenarioConfig` as a dict) at ``world_size``."""
+    started = time.perf_counter()
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     variants = [v for v in scenario["variants"] if v != "torch_syncbn" or device.type == "cuda"]
@@ -215,10 +222,10 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
     y = torch.randint(scenario["num_classes"], (scenario["batch_size"],), generator=generator).to(device)
     # Created once, collectively, and shared by every layer of the dedicated-group variant (P5).
     dedicated = dist.new_group(list(range(world_size))) if "syncbn_dist_dedicated" in variants else None
-    runners = {
-        v: _Runner(build_variant(v, base, dedicated), device, scenario["broadcast_buffers"], x, y) for v in variants
-    }
+    runners = {v: _Runner(build_variant(v, base, dedicated), device, scenario, x, y) for v in variants}
 
+    stages = {"setup": time.perf_counter() - started}
+    mark = time.perf_counter()
     for runner in runners.values():
         for _ in range(scenario["warmup_steps"]):
             runner.step()
@@ -234,13 +241,25 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
     sizes = Counter((c["bytes"], c["dtype"]) for c in probe_source if c["op"] == "all_reduce")
     probes = {key: _probe_buffer(key[0], key[1], device) for key in sizes}
 
+    stages["warmup_and_count"], mark = time.perf_counter() - mark, time.perf_counter()
+
     times: dict[str, list[float]] = {v: [] for v in variants}
     probe_times: dict[tuple[int, str], list[float]] = {key: [] for key in probes}
-    for _ in range(scenario["rounds"]):
-        for name, runner in runners.items():
-            times[name].append(_timed_steps(runner, scenario["steps_per_round"], device))
+    order = list(runners)
+    for index in range(scenario["rounds"]):
+        # Every round runs each variant once; the starting variant rotates, so no variant always runs first.
+        shift = index % len(order)
+        for name in order[shift:] + order[:shift]:
+            times[name].append(_timed_steps(runners[name], scenario["steps_per_round"], device))
         for key, buffer in probes.items():
             probe_times[key].append(_timed_all_reduce(buffer, scenario["floor_repeats"], device))
+        # Stop early, together, once the time budget is spent (a loaded machine still finishes in time).
+        if (
+            index + 1 >= scenario["min_rounds"]
+            and _max_over_ranks([time.perf_counter() - mark], device)[0] > (scenario["round_budget_s"])
+        ):
+            break
+    stages["rounds"], mark = time.perf_counter() - mark, time.perf_counter()
 
     for name in variants:
         times[name] = _max_over_ranks(times[name], device)
@@ -254,11 +273,13 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
         maxima = _max_over_ranks([measured[k] for k in keys], device)
         memory[name] = {**{k: None for k in measured}, **dict(zip(keys, maxima))}
 
+    stages["memory"], mark = time.perf_counter() - mark, time.perf_counter()
     profiles = {}
     if scenario["profile"]:
         for name in ("bn", "syncbn_dist"):
             if name in runners:
                 profiles[name] = _top_ops(runners[name], scenario["profile_top"])
+    stages["profile"] = time.perf_counter() - mark
 
     return {
         "world_size": world_size,
@@ -273,4 +294,5 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
         ],
         "memory": memory,
         "profiles": profiles,
+        "stage_seconds": {key: round(value, 2) for key, value in stages.items()},
     }
