@@ -166,7 +166,13 @@ class DataParallelWithCallback(nn.DataParallel):
     ) -> None:
         if cpu_replicas is not None and (not isinstance(cpu_replicas, int) or cpu_replicas < 1):
             raise ValueError(f"expected cpu_replicas to be a positive integer (got {cpu_replicas!r})")
-        super().__init__(module, device_ids, output_device, dim)
+        if cpu_replicas is None:
+            super().__init__(module, device_ids, output_device, dim)
+        else:
+            # Skip nn.DataParallel's CUDA set-up: with one visible GPU it would move the module there.
+            nn.Module.__init__(self)
+            self.module = module
+            self.device_ids = []
         self.dim = dim
         self.cpu_replicas = cpu_replicas
 
