@@ -818,6 +818,19 @@ def test_patched_nn_data_parallel_on_cuda_devices(no_tf32: Any) -> None:
 
 @pytest.mark.gpu
 @requires_cuda
+def test_cpu_replicas_keep_the_module_on_the_cpu_when_cuda_is_visible() -> None:
+    sync, reference = _sync_and_reference(nn.BatchNorm2d(C))
+    parallel = DataParallelWithCallback(sync, cpu_replicas=2)  # nn.DataParallel would move it to a single GPU
+    assert {t.device.type for t in sync.state_dict().values()} == {"cpu"}
+    x = _data(6, (2, 2), mean=0.5)
+    out = parallel(x.float())
+    assert out.device.type == "cpu" and sync.last_transport == "dataparallel"
+    # O(1) float32 outputs of one normalization.
+    torch.testing.assert_close(out.double(), reference(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_convert_model_keeps_data_parallel_settings_on_cuda() -> None:
     device_ids = list(range(torch.cuda.device_count()))
     parallel = nn.DataParallel(_mlp().cuda(), device_ids=device_ids, output_device=device_ids[-1], dim=1)
