@@ -580,7 +580,10 @@ class _CpuDataParallel(nn.DataParallel):
     """
 
     def __init__(self, module: nn.Module, num_replicas: int, dim: int = 0) -> None:
-        super().__init__(module)
+        # What nn.DataParallel.__init__ does without CUDA (with CUDA it would move the module to a GPU).
+        nn.Module.__init__(self)
+        self.module = module
+        self.device_ids: list[int] = []
         self.num_replicas = num_replicas
         self.dim = dim
 
