@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,3 +151,32 @@ def test_shipped_configs_load() -> None:
     cfg, scenarios = bench.load_config(str(ROOT / "configs" / "bench.yaml"))
     assert {s.name for s in scenarios} == {"latency", "compute"}
     assert cfg.compute_scenario in {s.name for s in scenarios}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_microbenchmark_on_cuda_includes_torch_syncbatchnorm_function(tmp_path: Path) -> None:
+    config = _write_configs(tmp_path)
+    out = tmp_path / "out_cuda"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "launch" / "bench.py"),
+            "--config",
+            str(config),
+            "scenarios=[]",
+            "micro.device=cuda",
+            "micro.dtypes=[float32, bfloat16]",
+            f"output_dir={out}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    micro = json.loads((out / "bench.json").read_text())["micro"]
+    assert micro["backend"] == "nccl" and micro["device"] != "cpu"
+    for case in micro["cases"]:
+        # torch's SyncBatchNorm autograd function at world size 1 is timed, or its failure is reported.
+        assert "torch SyncBatchNorm fn" in case["median_ms"] or "torch SyncBatchNorm fn" in case["errors"]
