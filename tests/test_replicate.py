@@ -143,6 +143,38 @@ def _live_threads_since(before: set[threading.Thread]) -> list[threading.Thread]
 
 
 # ------------------------------------------------------------------------------------------------------------
+# execute_replication_callbacks
+# ------------------------------------------------------------------------------------------------------------
+
+
+class _CallbackLog(nn.Module):
+    """Logs (its position tag, ctx, copy_id) of every replication callback into a list shared by all copies."""
+
+    def __init__(self, tag: str, log: list[tuple[str, Any, int]]) -> None:
+        super().__init__()
+        self.tag = tag
+        self.log = log
+
+    def __data_parallel_replicate__(self, ctx: Any, copy_id: int) -> None:
+        self.log.append((self.tag, ctx, copy_id))
+
+
+def test_execute_replication_callbacks_shares_one_context_per_position_master_first() -> None:
+    log: list[tuple[str, Any, int]] = []
+    model = nn.Sequential(_CallbackLog("a", log), nn.Sequential(nn.ReLU(), _CallbackLog("b", log)))
+    execute_replication_callbacks(_replicate_on_cpu(model, 3))
+    assert [(tag, copy_id) for tag, _, copy_id in log] == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    contexts = {tag: {id(ctx) for t, ctx, _ in log if t == tag} for tag in "ab"}
+    assert len(contexts["a"]) == len(contexts["b"]) == 1 and contexts["a"] != contexts["b"]
+    execute_replication_callbacks([])  # nothing to do
+
+
+def test_execute_replication_callbacks_rejects_structurally_different_replicas() -> None:
+    with pytest.raises(ValueError, match=r"structurally identical replicas \(got submodule counts \[2, 3\]\)"):
+        execute_replication_callbacks([nn.Sequential(nn.ReLU()), nn.Sequential(nn.ReLU(), nn.ReLU())])
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Hand-built replicas with exact splits
 # ------------------------------------------------------------------------------------------------------------
 
