@@ -360,7 +360,13 @@ class SyncMaster:
         return len(self._registry)
 
     def register_slave(self, identifier: int) -> SlavePipe:
-        """Register the replica with ``copy_id == identifier`` (> 0) and return its pipe."""
+        """Register the replica with ``copy_id == identifier`` (> 0) and return its pipe.
+
+        Raises:
+            ValueError: if ``identifier`` is not positive (0 is the master) or is already registered.
+        """
+        if identifier < 1:
+            raise ValueError(f"expected a slave copy_id > 0 (got {identifier}); copy 0 is the master")
         if identifier in self._registry:
             raise ValueError(f"replica {identifier} is already registered with this SyncMaster")
         future = FutureResult()

@@ -164,7 +164,9 @@ class DataParallelWithCallback(nn.DataParallel):
         dim: int = 0,
         cpu_replicas: Optional[int] = None,
     ) -> None:
-        if cpu_replicas is not None and (not isinstance(cpu_replicas, int) or cpu_replicas < 1):
+        if cpu_replicas is not None and (
+            not isinstance(cpu_replicas, int) or isinstance(cpu_replicas, bool) or cpu_replicas < 1
+        ):
             raise ValueError(f"expected cpu_replicas to be a positive integer (got {cpu_replicas!r})")
         if cpu_replicas is None:
             super().__init__(module, device_ids, output_device, dim)
