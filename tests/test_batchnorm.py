@@ -283,18 +283,11 @@ def _global_batch_cases(world_size: int) -> list[_Case]:
     return cases
 
 
-def _worker_global_batch(rank: int, world_size: int) -> int:
+def _global_batch_section(rank: int, world_size: int) -> int:
     steps = 0
     for index, case in enumerate(_global_batch_cases(world_size)):
         steps += _check_case(case, rank, seed=index)
     return steps
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_matches_batchnorm_on_global_batch(world_size: int) -> None:
-    results = run_distributed(_worker_global_batch, world_size, timeout=240)
-    expected = sum(len(case.splits) for case in _global_batch_cases(world_size))
-    assert results == [expected] * world_size
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -347,7 +340,7 @@ def test_process_subgroups() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Eval mode never communicates.
+# Eval mode never communicates (section).
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -368,15 +361,15 @@ def _train_step(layer: nn.Module, ref: nn.Module, rank: int, split: Sequence[int
     assert torch.equal(layer.num_batches_tracked, ref.num_batches_tracked)
 
 
-def _worker_eval_is_local(rank: int, world_size: int) -> int:
+def _eval_section(rank: int, world_size: int) -> int:
     layer = SynchronizedBatchNorm2d(4)
     _init_params(layer, seed=1)
     ref = nn.BatchNorm2d(4).double()
     ref.load_state_dict(layer.state_dict())
-    _train_step(layer, ref, rank, [5, 3], seed=2)
+    _train_step(layer, ref, rank, [5, 3, 4][:world_size], seed=2)
 
-    # Only rank 0 evaluates, many times, while rank 1 waits at the barrier below: a single collective in eval
-    # mode would pair with the barrier or hang until the collective timeout, and fail this test.
+    # Only rank 0 evaluates, many times, while the other ranks wait at the barrier below: a single collective
+    # in eval mode would pair with the barrier or hang until the collective timeout, and fail this test.
     layer.eval()
     no_stats = SynchronizedBatchNorm2d(4, track_running_stats=False).eval()
     evaluated = 0
@@ -405,16 +398,12 @@ def _worker_eval_is_local(rank: int, world_size: int) -> int:
     dist.all_reduce(total)
     assert total.item() == world_size * (world_size + 1) / 2
     layer.train()
-    _train_step(layer, ref, rank, [2, 6], seed=4)
+    _train_step(layer, ref, rank, [2, 6, 0][:world_size], seed=4)
     return evaluated
 
 
-def test_eval_mode_does_not_communicate() -> None:
-    assert run_distributed(_worker_eval_is_local, 2, timeout=120, collective_timeout=20) == [40, 0]
-
-
 # ------------------------------------------------------------------------------------------------------------
-# Errors: raised on every rank, with a clear message, without a hang.
+# Errors: raised on every rank, with a clear message, without a hang (section).
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -424,16 +413,16 @@ def _expect_error(error: type[Exception], match: str, fn: Any, *args: Any) -> st
     return str(info.value)
 
 
-def _worker_errors(rank: int, world_size: int) -> list[str]:
+def _errors_section(rank: int, world_size: int) -> list[str]:
     messages = []
-    # A global batch of one value per channel in training: rank 0 holds the one sample, rank 1 none.
+    # A global batch of one value per channel in training: rank 0 holds the one sample, the others none.
     for layer, shape in [
         (SynchronizedBatchNorm1d(3), (3,)),
         (SynchronizedBatchNorm1d(3), (3, 1)),
         (SynchronizedBatchNorm2d(3), (3, 1, 1)),
         (SyncBatchNorm(3), (3, 1, 1, 1)),
     ]:
-        x = torch.randn((1 - rank,) + shape)
+        x = torch.randn((1 if rank == 0 else 0,) + shape)
         stats_before = (layer.running_mean.clone(), layer.running_var.clone())
         messages.append(_expect_error(ValueError, "more than 1 value per channel", layer, x))
         assert torch.equal(layer.running_mean, stats_before[0]) and torch.equal(layer.running_var, stats_before[1])
@@ -464,7 +453,7 @@ def _worker_errors(rank: int, world_size: int) -> list[str]:
     solo = dist.new_group([0])
     layer = SynchronizedBatchNorm2d(3, process_group=solo)
     x = torch.randn(4, 3, 2, 2)
-    if rank == 1:
+    if rank != 0:
         messages.append(_expect_error(ValueError, "not a member", layer, x))
     else:  # a group of one needs no communication: plain batch norm on the local batch
         ref = nn.BatchNorm2d(3)
@@ -475,19 +464,12 @@ def _worker_errors(rank: int, world_size: int) -> list[str]:
     layer = SynchronizedBatchNorm2d(3)
     ref = nn.BatchNorm2d(3).double()
     ref.load_state_dict(layer.state_dict())
-    _train_step(layer, ref, rank, [3, 4], seed=5)
+    _train_step(layer, ref, rank, [3, 4, 2][:world_size], seed=5)
     return messages
 
 
-def test_errors_raise_on_every_rank() -> None:
-    results = run_distributed(_worker_errors, 2, timeout=120, collective_timeout=20)
-    assert len(results[0]) == 10 and len(results[1]) == 11  # rank 1 also hit the foreign group
-    for message in results[0] + results[1]:
-        assert "expected" in message.lower() or "not a member" in message, message
-
-
 # ------------------------------------------------------------------------------------------------------------
-# DistributedDataParallel training equals single-process training on the global batch.
+# DistributedDataParallel training equals single-process training on the global batch (section).
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -508,6 +490,9 @@ def _small_cnn() -> nn.Module:
     )
 
 
+_DDP_SPLITS = {2: [[6, 4], [3, 7], [5, 5], [8, 2]], 3: [[4, 3, 3], [2, 6, 2], [5, 0, 5], [1, 1, 8]]}
+
+
 def _train_ddp(rank: int, world_size: int, dtype: torch.dtype) -> int:
     torch.manual_seed(0)
     model = _small_cnn().to(dtype)
@@ -515,7 +500,7 @@ def _train_ddp(rank: int, world_size: int, dtype: torch.dtype) -> int:
     ddp = nn.parallel.DistributedDataParallel(convert_model(model))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.2, momentum=0.9)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
-    splits = [[6, 4], [3, 7], [5, 5], [8, 2]]
+    splits = _DDP_SPLITS[world_size]
     gen = torch.Generator().manual_seed(1)
     for split in splits:
         total = sum(split)
@@ -548,12 +533,42 @@ def _train_ddp(rank: int, world_size: int, dtype: torch.dtype) -> int:
     return len(splits)
 
 
-def _worker_ddp(rank: int, world_size: int) -> int:
+def _ddp_section(rank: int, world_size: int) -> int:
     return sum(_train_ddp(rank, world_size, dtype) for dtype in (torch.float32, torch.float64))
 
 
-def test_ddp_training_matches_single_process() -> None:
-    assert run_distributed(_worker_ddp, 2, timeout=120) == [8, 8]
+# ------------------------------------------------------------------------------------------------------------
+# One launch per world size: every section above, in order, in the same processes.
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _worker_all_sections(rank: int, world_size: int) -> dict[str, Any]:
+    return {
+        "global_batch_steps": _global_batch_section(rank, world_size),
+        "eval_forwards": _eval_section(rank, world_size),
+        "error_messages": _errors_section(rank, world_size),
+        "ddp_steps": _ddp_section(rank, world_size),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sync_batchnorm_over_gloo(world_size: int) -> None:
+    """Global-batch equality, eval without communication, errors on every rank, DDP training parity.
+
+    A failing section names itself (and the case) in the worker's traceback; a section that hangs is ended
+    by the collective timeout.
+    """
+    results = run_distributed(_worker_all_sections, world_size, timeout=300, collective_timeout=30)
+    steps = sum(len(case.splits) for case in _global_batch_cases(world_size))
+    for rank, result in enumerate(results):
+        assert result["global_batch_steps"] == steps
+        assert result["eval_forwards"] == (40 if rank == 0 else 0)
+        assert result["ddp_steps"] == 2 * len(_DDP_SPLITS[world_size])
+        # Ten errors on every rank; the ranks outside new_group([0]) also get the non-member error.
+        messages = result["error_messages"]
+        assert len(messages) == (10 if rank == 0 else 11)
+        for message in messages:
+            assert "expected" in message.lower() or "not a member" in message, message
 
 
 # ------------------------------------------------------------------------------------------------------------
