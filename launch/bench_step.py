@@ -254,11 +254,9 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
         for key, buffer in probes.items():
             probe_times[key].append(_timed_all_reduce(buffer, scenario["floor_repeats"], device))
         # Stop early, together, once the time budget is spent (a loaded machine still finishes in time).
-        if (
-            index + 1 >= scenario["min_rounds"]
-            and _max_over_ranks([time.perf_counter() - mark], device)[0] > (scenario["round_budget_s"])
-        ):
-            break
+        if index + 1 >= scenario["min_rounds"]:
+            if _max_over_ranks([time.perf_counter() - mark], device)[0] > scenario["round_budget_s"]:
+                break
     stages["rounds"], mark = time.perf_counter() - mark, time.perf_counter()
 
     for name in variants:
