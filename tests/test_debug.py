@@ -1,0 +1,169 @@
+"""Ranks that disagree fail loudly on every rank, never hang: agreement checks, debug mode, timeouts (gloo)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from launcher import run_distributed
+from torch import nn
+
+import syncbn_dist
+from syncbn_dist import LayerMismatchError
+
+
+class _CollectiveCounter:
+    """Counts calls of torch.distributed collectives while delegating to the real ones (observation only)."""
+
+    def __init__(self, names: tuple[str, ...] = ("all_reduce", "all_gather")) -> None:
+        self.calls: dict[str, int] = {name: 0 for name in names}
+        self._originals = {name: getattr(dist, name) for name in names}
+
+    def __enter__(self) -> _CollectiveCounter:
+        for name, original in self._originals.items():
+            setattr(dist, name, self._counting(name, original))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+    def _counting(self, name: str, original: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return original(*args, **kwargs)
+
+        return counted
+
+
+def _error_or_none(fn: Any) -> str | None:
+    try:
+        fn()
+    except LayerMismatchError as error:
+        return str(error)
+    return None
+
+
+def _mismatched_num_features(rank: int, world_size: int) -> None:
+    # Default mode: rank 0's layer has 4 features, rank 1's has 6; without the check gloo aborts the process.
+    syncbn_dist.set_debug(False)
+    features = 4 if rank == 0 else 6
+    model = syncbn_dist.convert_model(nn.Sequential(nn.Linear(3, features), nn.BatchNorm1d(features)))
+    message = _error_or_none(lambda: model(torch.randn(5, 3)))
+    assert message is not None, "mismatched num_features must raise on every rank"
+    assert "rank 0: layer '1' (SynchronizedBatchNorm1d): num_features=4" in message
+    assert "rank 1: layer '1' (SynchronizedBatchNorm1d): num_features=6" in message
+    assert "ranks [1] differ from rank 0" in message
+    # The group is still usable afterwards: nobody is stuck in a collective.
+    dist.barrier()
+
+    # Mismatched dtypes are caught the same way (the payload is float64 either way, so nothing else would).
+    layer = syncbn_dist.SynchronizedBatchNorm1d(2).to(torch.float64 if rank == 1 else torch.float32)
+    x = torch.randn(4, 2, dtype=layer.weight.dtype)
+    message = _error_or_none(lambda: layer(x))
+    assert message is not None and "dtype=torch.float64" in message and "dtype=torch.float32" in message
+
+
+def _agreement_is_checked_once_when_debug_is_off(rank: int, world_size: int) -> None:
+    syncbn_dist.set_debug(False)
+    layer = syncbn_dist.SynchronizedBatchNorm2d(3)
+    x = torch.randn(2, 3, 4, 4, requires_grad=True)  # so that backward needs the global reductions
+    with _CollectiveCounter() as first:
+        layer(x).sum().backward()
+    with _CollectiveCounter() as later:
+        for _ in range(3):
+            layer(x).sum().backward()
+    # First forward: one small all_gather (the agreement check) + one all_reduce; backward: one all_reduce.
+    assert first.calls == {"all_gather": 1, "all_reduce": 2}, first.calls
+    # Afterwards exactly one collective per direction and nothing else.
+    assert later.calls == {"all_gather": 0, "all_reduce": 6}, later.calls
+
+
+def _debug_mode_checks_every_call(rank: int, world_size: int, expect_env_debug: bool) -> None:
+    assert syncbn_dist.is_debug_enabled() is expect_env_debug
+    syncbn_dist.set_debug(True)
+    layer = syncbn_dist.SynchronizedBatchNorm1d(3)
+    x = torch.randn(4, 3)
+    with _CollectiveCounter() as counter:
+        for _ in range(3):
+            layer(x)
+    assert counter.calls == {"all_gather": 3, "all_reduce": 3}
+
+
+def _debug_mode_names_reordered_layers(rank: int, world_size: int) -> None:
+    syncbn_dist.set_debug(True)
+    layers = syncbn_dist.convert_model(nn.ModuleDict({"a": nn.BatchNorm1d(4), "b": nn.BatchNorm1d(4)}))
+    x = torch.randn(6, 4)
+    layers["a"](x)
+    layers["b"](x)
+    # Same num_features, so the payloads have the same size: only debug mode can tell the layers apart.
+    first, second = ("a", "b") if rank == 0 else ("b", "a")
+    message = _error_or_none(lambda: layers[first](x))
+    assert message is not None, "reordered layers must raise on every rank in debug mode"
+    assert "rank 0: call #3 at layer 'a'" in message
+    assert "rank 1: call #3 at layer 'b'" in message
+    dist.barrier()
+
+
+def _debug_mode_catches_a_skipped_layer(rank: int, world_size: int) -> None:
+    syncbn_dist.set_debug(True)
+    model = syncbn_dist.convert_model(nn.Sequential(nn.BatchNorm1d(4), nn.BatchNorm1d(4)))
+    x = torch.randn(6, 4)
+    model(x)
+    # Rank 1 skips layer '0' this step, so the ranks meet at different layers.
+    message = _error_or_none(lambda: model(x) if rank == 0 else model[1](x))
+    assert message is not None
+    assert "at layer '0'" in message and "at layer '1'" in message
+
+
+@pytest.mark.distributed
+def test_mismatched_layers_raise_on_every_rank() -> None:
+    run_distributed(_mismatched_num_features, 2)
+    run_distributed(_agreement_is_checked_once_when_debug_is_off, 2)
+
+
+@pytest.mark.distributed
+def test_debug_mode_names_the_layers_on_each_rank() -> None:
+    run_distributed(_debug_mode_names_reordered_layers, 2)
+    run_distributed(_debug_mode_catches_a_skipped_layer, 2)
+
+
+@pytest.mark.distributed
+def test_debug_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Spawned workers inherit the environment and read SYNCBN_DEBUG when syncbn_dist is imported.
+    monkeypatch.setenv("SYNCBN_DEBUG", "1")
+    run_distributed(_debug_mode_checks_every_call, 2, True)
+
+
+def _dead_peer_times_out(rank: int, world_size: int) -> float:
+    layer = syncbn_dist.SynchronizedBatchNorm1d(3)
+    layer(torch.randn(4, 3))  # both ranks agree once
+    if rank == 1:
+        time.sleep(12)  # alive but never joins the next collective, like a stuck or dead peer
+        return 0.0
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):  # gloo raises (DistBackendError) when the process group timeout passes
+        layer(torch.randn(4, 3))
+    return time.monotonic() - start
+
+
+@pytest.mark.distributed
+def test_a_peer_that_never_arrives_raises_after_the_process_group_timeout() -> None:
+    # The collective timeout given to init_process_group (3 s here) bounds the wait: rank 0 gets an exception
+    # instead of hanging; the launcher's own 60 s limit would fail the test if it hung.
+    elapsed, _ = run_distributed(_dead_peer_times_out, 2, timeout=60, collective_timeout=3)
+    assert elapsed >= 2.0  # it did wait for the peer first: the error is the timeout, not something else
+
+
+def test_debug_switch_round_trips() -> None:
+    before = syncbn_dist.is_debug_enabled()
+    try:
+        syncbn_dist.set_debug(True)
+        assert syncbn_dist.is_debug_enabled()
+        syncbn_dist.set_debug(False)
+        assert not syncbn_dist.is_debug_enabled()
+    finally:
+        syncbn_dist.set_debug(before)
