@@ -7,6 +7,10 @@ Commands (from the repository root)::
     make train-dp                    # = .venv/bin/python launch/train.py --config configs/digits_dp.yaml
     torchrun --standalone --nproc_per_node=2 launch/train.py --config configs/digits.yaml \
         --set train.epochs=3 --set output_dir=outputs/quick
+    torchrun --standalone --nproc_per_node=2 launch/train.py --config configs/digits.yaml --resume
+    # two "nodes" on loopback (run both; see configs/digits_multinode.yaml):
+    torchrun --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:29510 \
+        --rdzv_id=digits --local_addr=127.0.0.1 launch/train.py --config configs/digits_multinode.yaml
     python launch/train.py --help
 
 ``parallel: ddp`` runs one process per rank under torchrun: the BatchNorm layers are converted with
@@ -14,22 +18,38 @@ Commands (from the repository root)::
 only). ``parallel: dataparallel`` runs one process with :class:`syncbn_dist.DataParallelWithCallback`
 over every CUDA device, or over ``cpu_replicas`` CPU thread replicas when there is no GPU.
 
-The config is validated completely (unknown keys, types, ranges, launch mode) before any process group
-starts. Rank 0 logs, writes ``config.yaml`` (the resolved config), ``metrics.json`` (after every epoch)
-and ``checkpoint.pt`` (at the end, atomically) under ``output_dir``. Before saving, every rank's
-parameters and running statistics are all-gathered and compared; the job fails if they differ.
+The config is validated completely (unknown keys, types, ranges, launch mode, and with ``resume`` the
+checkpoint's compatibility) before any process group starts. Rank 0 logs, writes ``config.yaml`` (the
+resolved config), and after every epoch ``checkpoint.pt`` and ``metrics.json`` under ``output_dir``, each
+atomically. Before each epoch's checkpoint, every rank's parameters and running statistics are
+all-gathered and compared; the job fails if they differ.
+
+Stopping and resuming: SIGTERM or SIGINT (torchrun forwards both to every worker) makes the job stop at
+the next training step that all ranks agree on (a one-element all_reduce at every step boundary), write a
+checkpoint of the last completed step and exit 0. ``--resume`` (``resume: true``) continues from
+``output_dir/checkpoint.pt``, mid-epoch included; for ``parallel: ddp`` the resumed run reproduces the
+uninterrupted run. The checkpoint holds the model, optimizer and scheduler, the position (completed
+epochs, completed steps of the next one, the sampler epoch), every rank's RNG states and running sums,
+the metrics so far and the config, all as tensors and plain containers: it loads with
+``torch.load(weights_only=True)``. The job's randomness comes only from torch: dropout draws from the
+global CPU (and CUDA) generators, which are checkpointed; the data order is a function of
+``(seed, sampler epoch)``; Python's ``random`` and NumPy are not used.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import inspect
+import itertools
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import types
 from dataclasses import dataclass, field
@@ -41,6 +61,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch import Tensor, nn
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from tqdm import tqdm
@@ -121,6 +142,7 @@ class Config:
     cpu_replicas: int = _positive(2)  # dataparallel without CUDA: this many CPU thread replicas
     timeout_s: float = _positive(300.0)  # collective timeout of the process group
     progress_bar: bool = True
+    resume: bool = False  # continue from output_dir/checkpoint.pt (start afresh, with a warning, if there is none)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -274,8 +296,13 @@ def parse_args(argv: list[str] | None = None) -> Config:
         metavar="KEY=VALUE",
         help="override one key, dotted for sections, e.g. --set train.epochs=3 (repeatable)",
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from output_dir/checkpoint.pt (the same as --set resume=true)",
+    )
     args = parser.parse_args(argv)
-    return load_config(args.config, args.overrides)
+    return load_config(args.config, [*args.overrides, *(["resume=true"] if args.resume else [])])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -356,32 +383,28 @@ def load_data(cfg: DataConfig) -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(images[train_idx], labels[train_idx]), TensorDataset(images[test_idx], labels[test_idx])
 
 
-def build_loaders(
-    cfg: Config, runtime: Runtime, replicas: int
-) -> tuple[DataLoader, DataLoader, DistributedSampler | None]:
+def build_loaders(cfg: Config, runtime: Runtime, replicas: int) -> tuple[DataLoader, DataLoader, DistributedSampler]:
     """The training loader (this rank's shard), the test loader (the full test set) and the sampler.
 
-    Under DDP a :class:`DistributedSampler` gives every rank a disjoint shard of equal size
-    (``drop_last=True`` drops the few samples that do not divide evenly instead of repeating some), so
-    every rank runs the same number of steps, which synchronized BatchNorm requires. Training batches
-    are ``batch_size * replicas`` (split across DataParallel replicas) and incomplete ones are dropped,
-    so no BatchNorm ever sees a tiny last batch.
+    A :class:`DistributedSampler` (one replica when there is one process) gives every rank a disjoint
+    shard of equal size (``drop_last=True`` drops the few samples that do not divide evenly instead of
+    repeating some), so every rank runs the same number of steps, which synchronized BatchNorm requires.
+    The order is a function of ``(seed, epoch)`` alone (call ``sampler.set_epoch`` before each epoch), so
+    a resumed run sees the same batches; the union of the W ranks' k-th batches is the one-process run's
+    k-th batch at W times the batch size. Training batches are ``batch_size * replicas`` (split across
+    DataParallel replicas) and incomplete ones are dropped, so no BatchNorm ever sees a tiny last batch.
     """
     train_set, test_set = load_data(cfg.data)
-    sampler: DistributedSampler | None = None
-    generator = None
-    if runtime.world_size > 1:
-        sampler = DistributedSampler(
-            train_set, runtime.world_size, runtime.rank, shuffle=True, seed=cfg.seed, drop_last=True
-        )
-    else:
-        generator = torch.Generator().manual_seed(cfg.seed)
+    sampler = DistributedSampler(
+        train_set, runtime.world_size, runtime.rank, shuffle=True, seed=cfg.seed, drop_last=True
+    )
     train_loader = DataLoader(
         train_set,
         batch_size=cfg.data.batch_size * replicas,
         sampler=sampler,
-        shuffle=sampler is None,
-        generator=generator,
+        # The loader draws a (here unused) worker base seed per epoch from its generator; a private one
+        # keeps that draw out of the global generator, which then serves dropout alone.
+        generator=torch.Generator().manual_seed(cfg.seed),
         drop_last=True,
     )
     test_loader = DataLoader(test_set, batch_size=cfg.data.eval_batch_size, shuffle=False)
@@ -480,6 +503,103 @@ def _sum_over_ranks(values: list[float], runtime: Runtime) -> list[float]:
     return totals.tolist()
 
 
+class StopRequest:
+    """Turns SIGTERM and SIGINT into a request to stop at the next step boundary that every rank agrees on.
+
+    Use it as a context manager around training: it installs the handlers (main thread only) and restores
+    the previous ones on exit. A handler only records the signal; :meth:`agreed` all-reduces it (MAX over
+    ranks, one int64) so that every rank stops at the same step, whichever ranks got the signal and when:
+    a rank that left alone would leave the others waiting in the next collective. Repeated signals
+    change nothing (under torchrun a worker may get one from the terminal and one from the agent).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._record)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _record(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+
+    def agreed(self, runtime: Runtime) -> int:
+        """The signal number some rank received (0 if none): the same value on every rank (a collective)."""
+        if runtime.world_size == 1:
+            return self.signum
+        flag = torch.tensor([self.signum], dtype=torch.int64, device=runtime.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+@dataclass
+class EpochProgress:
+    """This rank's position in the epoch in progress and its running sums (what a mid-epoch resume needs)."""
+
+    step: int = 0  # completed steps of this epoch
+    loss_sum: float = 0.0
+    correct: int = 0
+    count: int = 0
+
+
+def train_steps(
+    model: nn.Module,
+    loader: DataLoader,
+    optimizer: torch.optim.Optimizer,
+    runtime: Runtime,
+    progress: EpochProgress,
+    stop: StopRequest | None = None,
+    desc: str = "",
+    progress_bar: bool = False,
+) -> int:
+    """Run the epoch's steps from ``progress.step`` on, updating ``progress`` after each.
+
+    Before every step (the first included) all ranks agree whether to stop; the batches already done are
+    skipped (the sampler's order is fixed for the epoch), so the sums continue exactly where they stopped.
+
+    Returns:
+        0 when the epoch is complete, else the number of the signal that stopped it.
+    """
+    model.train()
+    loss_fn = nn.CrossEntropyLoss()
+    batches = itertools.islice(loader, progress.step, None)
+    show = progress_bar and runtime.is_main
+    bar = tqdm(batches, desc=desc, total=len(loader), initial=progress.step, leave=False, disable=not show)
+    for images, labels in bar:
+        signum = stop.agreed(runtime) if stop is not None else 0
+        if signum:
+            bar.close()
+            return signum
+        images, labels = images.to(runtime.device), labels.to(runtime.device)
+        logits = model(images)
+        loss = loss_fn(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        progress.loss_sum += loss.item() * len(labels)
+        progress.correct += (logits.argmax(1) == labels).sum().item()
+        progress.count += len(labels)
+        progress.step += 1
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+    return 0
+
+
+def epoch_means(progress: EpochProgress, runtime: Runtime) -> tuple[float, float]:
+    """The epoch's mean loss and accuracy over all ranks' samples (a collective)."""
+    loss_sum, correct, count = _sum_over_ranks([progress.loss_sum, progress.correct, progress.count], runtime)
+    return loss_sum / count, correct / count
+
+
 def train_one_epoch(
     model: nn.Module,
     loader: DataLoader,
@@ -489,23 +609,9 @@ def train_one_epoch(
     progress_bar: bool,
 ) -> tuple[float, float]:
     """One pass over this rank's shard; returns the mean loss and accuracy over all ranks' samples."""
-    model.train()
-    loss_fn = nn.CrossEntropyLoss()
-    loss_sum, correct, count = 0.0, 0, 0
-    bar = tqdm(loader, desc=desc, leave=False, disable=not (progress_bar and runtime.is_main), dynamic_ncols=True)
-    for images, labels in bar:
-        images, labels = images.to(runtime.device), labels.to(runtime.device)
-        logits = model(images)
-        loss = loss_fn(logits, labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        loss_sum += loss.item() * len(labels)
-        correct += (logits.argmax(1) == labels).sum().item()
-        count += len(labels)
-        bar.set_postfix(loss=f"{loss.item():.4f}")
-    loss_sum, correct, count = _sum_over_ranks([loss_sum, correct, count], runtime)
-    return loss_sum / count, correct / count
+    progress = EpochProgress()
+    train_steps(model, loader, optimizer, runtime, progress, None, desc, progress_bar)
+    return epoch_means(progress, runtime)
 
 
 @torch.no_grad()
@@ -526,17 +632,25 @@ def evaluate(net: nn.Module, loader: DataLoader, device: torch.device) -> float:
     return correct / count
 
 
-def check_same_on_all_ranks(net: nn.Module) -> None:
+def _sha256(flat: Tensor) -> str:
+    return hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()
+
+
+def check_same_on_all_ranks(net: nn.Module) -> list[str]:
     """All-gather every parameter and buffer (running statistics included) and compare them across ranks.
+
+    Returns:
+        Every rank's state digest, in rank order: the SHA-256 of its state_dict as one float64 vector
+        (one digest without a process group). Equal digests mean bit-identical states.
 
     Raises:
         RuntimeError: on every rank, naming the tensors that differ from rank 0's, if any do.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
     state = net.state_dict()
     # float64 holds float32 values and step counts exactly, so the comparison below is bit-for-bit.
     flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in state.values()])
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [_sha256(flat)]
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     sizes = [t.numel() for t in state.values()]
@@ -552,6 +666,7 @@ def check_same_on_all_ranks(net: nn.Module) -> None:
             + ", ".join(differing[:8])
             + (" ..." if len(differing) > 8 else "")
         )
+    return [_sha256(other) for other in gathered]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -604,17 +719,243 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     epoch: int,
     cfg: Config,
+    resume_state: dict[str, Any] | None = None,
 ) -> None:
     """Save the bare model's state_dict (loadable into plain or synchronized BatchNorm), the optimizer and
-    scheduler state, the number of completed epochs and the config. Loads with ``weights_only=True``."""
+    scheduler state, the number of completed epochs, the config and ``resume_state`` (see
+    :func:`resume_state`). Every value is a tensor or a plain container: it loads with ``weights_only=True``."""
     payload = {
+        "format": CHECKPOINT_FORMAT,
         "model": net.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "epoch": epoch,
         "config": dataclasses.asdict(cfg),
+        **(resume_state or {}),
     }
     _atomic_write(path, lambda f: torch.save(payload, f))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Resume.
+# ---------------------------------------------------------------------------------------------------------
+
+CHECKPOINT_FORMAT = 1
+CHECKPOINT_NAME = "checkpoint.pt"
+# Keys that may differ between a checkpoint's config and the run that resumes it: where outputs go, how
+# progress is shown, how long a collective may wait, how far to train, the eval batch (eval-mode BatchNorm
+# uses the running statistics, so it does not change results). Any other difference changes what a
+# training step computes (model, data, batch, optimizer, seed, parallel mode, device), and is refused.
+RESUME_MAY_CHANGE = ("output_dir", "progress_bar", "timeout_s", "resume", "train.epochs", "data.eval_batch_size")
+_RESUME_KEYS = ("step", "sampler_epoch", "world_size", "replicas_per_process", "rng", "epoch_sums", "metrics")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be resumed: unreadable, not this job's, or written under an incompatible config."""
+
+
+def _rng_devices(runtime: Runtime, replicas: int) -> list[torch.device]:
+    """The CUDA devices whose generators this process draws dropout masks from (none on the CPU)."""
+    if runtime.device.type != "cuda":
+        return []
+    if replicas > 1:  # DataParallel over devices 0..replicas-1
+        return [torch.device("cuda", i) for i in range(replicas)]
+    return [runtime.device]
+
+
+def _gather_rows(tensor: Tensor, runtime: Runtime) -> Tensor:
+    """Every rank's ``tensor`` stacked in rank order, on the CPU: shape (world_size, *tensor.shape). A collective."""
+    if runtime.world_size == 1:
+        return tensor.detach().cpu().unsqueeze(0)
+    local = tensor.detach().to(runtime.device).contiguous()
+    rows = [torch.empty_like(local) for _ in range(runtime.world_size)]
+    dist.all_gather(rows, local)
+    return torch.stack(rows).cpu()
+
+
+def resume_state(
+    net: nn.Module,
+    progress: EpochProgress,
+    epoch_in_progress: int,
+    runtime: Runtime,
+    replicas: int,
+    metrics: dict[str, Any],
+    elapsed_s: dict[str, float],
+) -> dict[str, Any]:
+    """What a checkpoint needs beyond the model and optimizer to resume exactly; call it on every rank.
+
+    Gathers, in rank order (collectives): every rank's CPU generator state (``rng.torch``, uint8
+    (world_size, 5056)), its CUDA generator states if any (``rng.cuda``, uint8 (world_size, devices, n)),
+    its running sums over the epoch in progress (``epoch_sums``, float64 (world_size, 3): loss sum,
+    correct, count) and, mid-epoch, every buffer (``rank_buffers``: with plain BatchNorm the running
+    statistics differ across ranks until the end-of-epoch average). Rank 0's copy is the one written.
+    """
+    rng = {"torch": _gather_rows(torch.get_rng_state(), runtime)}
+    devices = _rng_devices(runtime, replicas)
+    if devices:
+        rng["cuda"] = _gather_rows(torch.stack([torch.cuda.get_rng_state(d) for d in devices]), runtime)
+    sums = torch.tensor([progress.loss_sum, progress.correct, progress.count], dtype=torch.float64)
+    rank_buffers = {}
+    if progress.step > 0:
+        rank_buffers = {name: _gather_rows(buffer, runtime) for name, buffer in net.named_buffers()}
+    return {
+        "step": progress.step,
+        "sampler_epoch": epoch_in_progress,
+        "world_size": runtime.world_size,
+        "replicas_per_process": replicas,
+        "rng": rng,
+        "epoch_sums": _gather_rows(sums, runtime),
+        "rank_buffers": rank_buffers,
+        "metrics": metrics,
+        "elapsed_s": dict(elapsed_s),
+    }
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The checkpoint at ``path``, loaded on the CPU with ``torch.load(weights_only=True)``: it never runs code.
+
+    Raises:
+        CheckpointError: if the file cannot be read or unpickled with ``weights_only=True`` (anything but
+            tensors and plain containers), or is not a mapping.
+    """
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # UnpicklingError, RuntimeError (truncated zip), OSError, EOFError, ...
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(
+            f"cannot load checkpoint {path} with torch.load(weights_only=True): {first_line}"
+        ) from None
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"checkpoint {path}: expected a mapping (got {type(checkpoint).__name__})")
+    return checkpoint
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_resumable(checkpoint: dict[str, Any], cfg: Config, world_size: int, path: str | Path) -> None:
+    """Refuse a checkpoint this run cannot continue exactly.
+
+    Args:
+        checkpoint: as returned by :func:`load_checkpoint`.
+        cfg: the resuming run's config.
+        world_size: the resuming run's number of processes.
+        path: the checkpoint's path, for messages.
+
+    Raises:
+        CheckpointError: if it is not a format-1 checkpoint of this job with resume state, if its config
+            differs from ``cfg`` in a key outside :data:`RESUME_MAY_CHANGE` (all such keys are named,
+            with both values; a key the checkpoint lacks counts as its default), if it was written by a
+            different number of processes, or if it is past ``cfg.train.epochs``.
+    """
+    missing = [key for key in ("format", "model", "optimizer", "scheduler", "epoch", "config") if key not in checkpoint]
+    if checkpoint.get("format") != CHECKPOINT_FORMAT or missing:
+        raise CheckpointError(
+            f"checkpoint {path} is not a resumable checkpoint of launch/train.py (format "
+            f"{checkpoint.get('format')!r}, expected {CHECKPOINT_FORMAT}; missing keys: {', '.join(missing) or 'none'})"
+        )
+    missing = [key for key in _RESUME_KEYS if key not in checkpoint]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} has no resume state (missing keys: {', '.join(missing)})")
+    saved = _flatten(dataclasses.asdict(Config()))
+    saved.update(_flatten(checkpoint["config"]) if isinstance(checkpoint["config"], dict) else {})
+    current = _flatten(dataclasses.asdict(cfg))
+    differing = [
+        f"{key}: {saved.get(key, '<absent>')!r} in the checkpoint, {current.get(key, '<unknown key>')!r} now"
+        for key in sorted(set(saved) | set(current))
+        if key not in RESUME_MAY_CHANGE and saved.get(key, "<absent>") != current.get(key, "<unknown key>")
+    ]
+    if differing:
+        raise CheckpointError(
+            f"cannot resume from {path}: its config differs in {len(differing)} key(s) that must match: "
+            + "; ".join(differing)
+            + f". Only {', '.join(RESUME_MAY_CHANGE)} may change on resume; "
+            "set the others back, or start afresh in another output_dir (or without resume)"
+        )
+    if checkpoint["world_size"] != world_size:
+        raise CheckpointError(
+            f"cannot resume from {path}: it was written by {checkpoint['world_size']} process(es), this run has "
+            f"{world_size}; launch {checkpoint['world_size']} (every rank's data shard, RNG and sums are in it)"
+        )
+    epoch, step = checkpoint["epoch"], checkpoint["step"]
+    if epoch > cfg.train.epochs or (epoch == cfg.train.epochs and step > 0):
+        raise CheckpointError(
+            f"cannot resume from {path}: it is at epoch {epoch} (+{step} steps), past train.epochs="
+            f"{cfg.train.epochs}; set train.epochs to at least {epoch}"
+        )
+
+
+def find_resume_checkpoint(cfg: Config, world_size: int) -> dict[str, Any] | None:
+    """With ``cfg.resume``, the checkpoint in ``cfg.output_dir``, loaded and checked; else, or if there is none, None.
+
+    Raises:
+        CheckpointError: see :func:`load_checkpoint` and :func:`check_resumable`.
+    """
+    path = Path(cfg.output_dir) / CHECKPOINT_NAME
+    if not cfg.resume or not path.is_file():
+        return None
+    checkpoint = load_checkpoint(path)
+    check_resumable(checkpoint, cfg, world_size, path)
+    return checkpoint
+
+
+def _restore(
+    checkpoint: dict[str, Any],
+    cfg: Config,
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    runtime: Runtime,
+    replicas: int,
+) -> EpochProgress:
+    """Load the checkpoint into the model, optimizer, scheduler and this rank's generators; its epoch progress."""
+    if checkpoint["replicas_per_process"] != replicas:
+        raise CheckpointError(
+            f"cannot resume: the checkpoint was written with {checkpoint['replicas_per_process']} replica(s) per "
+            f"process, this run has {replicas}"
+        )
+    rank = runtime.rank
+    net.load_state_dict(checkpoint["model"])
+    rank_buffers = checkpoint.get("rank_buffers", {})
+    with torch.no_grad():
+        for name, buffer in net.named_buffers():
+            if name in rank_buffers:
+                buffer.copy_(rank_buffers[name][rank])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    if getattr(scheduler, "T_max", cfg.train.epochs) != cfg.train.epochs:
+        # train.epochs changed: the cosine decays from the current learning rate to 0 at the new last epoch.
+        scheduler.T_max = cfg.train.epochs
+    # clone(): a row of the stacked states is a view at a storage offset, which set_rng_state misreads
+    # (torch 2.13: "Invalid mt19937 state", or a crash).
+    torch.set_rng_state(checkpoint["rng"]["torch"][rank].clone())
+    devices = _rng_devices(runtime, replicas)
+    if devices:
+        for device, state in zip(devices, checkpoint["rng"]["cuda"][rank]):
+            torch.cuda.set_rng_state(state.clone(), device)
+    loss_sum, correct, count = checkpoint["epoch_sums"][rank].tolist()
+    return EpochProgress(checkpoint["step"], loss_sum, int(correct), int(count))
+
+
+def _check_same_position(values: list[int], runtime: Runtime, output_dir: str) -> None:
+    """Fail on every rank unless every rank starts from the same checkpoint position (a collective)."""
+    rows = _gather_rows(torch.tensor(values, dtype=torch.int64), runtime)
+    if not all(torch.equal(row, rows[0]) for row in rows):
+        positions = ", ".join(
+            f"rank {r}: " + ("epoch {1} step {2}".format(*row.tolist()) if row[0] else "no checkpoint")
+            for r, row in enumerate(rows)
+        )
+        raise RuntimeError(
+            f"ranks disagree on where to resume ({positions}): every node must see the same "
+            f"{output_dir}/{CHECKPOINT_NAME}; put output_dir on storage shared by all nodes"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -622,9 +963,20 @@ def save_checkpoint(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def run(cfg: Config, runtime: Runtime) -> int:
-    """Train, evaluate every epoch, check the ranks agree, and (rank 0) write the outputs."""
+def run(cfg: Config, runtime: Runtime, checkpoint: dict[str, Any] | None = None) -> int:
+    """Train, evaluate and checkpoint every epoch, check the ranks agree, and (rank 0) write the outputs.
+
+    With ``cfg.resume``, continue from ``checkpoint`` (or the one in ``output_dir``). On SIGTERM/SIGINT,
+    stop at the next step all ranks agree on, checkpoint it, and return 0.
+    """
     out = Path(cfg.output_dir)
+    with StopRequest() as stop:
+        if checkpoint is None and cfg.resume:
+            checkpoint = find_resume_checkpoint(cfg, runtime.world_size)
+        return _run(cfg, runtime, checkpoint, stop, out)
+
+
+def _run(cfg: Config, runtime: Runtime, checkpoint: dict[str, Any] | None, stop: StopRequest, out: Path) -> int:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model, net, replicas = build_model(cfg, runtime)
     torch.manual_seed(cfg.seed + runtime.rank)  # then different dropout masks per rank
@@ -637,8 +989,30 @@ def run(cfg: Config, runtime: Runtime) -> int:
         weight_decay=cfg.train.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.train.epochs)
+    metrics: dict[str, Any] = {
+        "parallel": cfg.parallel,
+        "world_size": runtime.world_size,
+        "replicas_per_process": replicas,
+        "batch_size_per_bn": cfg.data.batch_size,
+        "global_batch_size": cfg.data.batch_size * replicas * runtime.world_size,
+        "steps_per_epoch": len(train_loader),
+        "epochs": [],
+    }
+    progress, completed, elapsed = EpochProgress(), 0, {"total": 0.0, "epoch": 0.0}
+    if checkpoint is not None:
+        progress = _restore(checkpoint, cfg, net, optimizer, scheduler, runtime, replicas)
+        completed, metrics, elapsed = checkpoint["epoch"], checkpoint["metrics"], checkpoint["elapsed_s"]
+        metrics.pop("stopped_at", None)
+        metrics.setdefault("resumed_from", []).append({"epoch": completed, "step": progress.step})
+    _check_same_position([checkpoint is not None, completed, progress.step], runtime, cfg.output_dir)
     if runtime.is_main:
         write_config(out / "config.yaml", cfg)
+        if cfg.resume and checkpoint is None:
+            log.warning("resume: no %s in %s, starting afresh", CHECKPOINT_NAME, out)
+        elif checkpoint is None and (out / CHECKPOINT_NAME).is_file():
+            log.warning("overwriting the checkpoint in %s (pass --resume to continue it instead)", out)
+        if checkpoint is not None:
+            log.info("resuming after epoch %d + %d steps from %s", completed, progress.step, out / CHECKPOINT_NAME)
         log.info(
             "parallel=%s world_size=%d replicas=%d device=%s batch/BatchNorm=%d global batch=%d steps/epoch=%d",
             cfg.parallel,
@@ -649,23 +1023,37 @@ def run(cfg: Config, runtime: Runtime) -> int:
             cfg.data.batch_size * replicas * runtime.world_size,
             len(train_loader),
         )
-    metrics: dict[str, Any] = {
-        "parallel": cfg.parallel,
-        "world_size": runtime.world_size,
-        "replicas_per_process": replicas,
-        "batch_size_per_bn": cfg.data.batch_size,
-        "global_batch_size": cfg.data.batch_size * replicas * runtime.world_size,
-        "steps_per_epoch": len(train_loader),
-        "epochs": [],
-    }
-    start = time.perf_counter()
-    for epoch in range(1, cfg.train.epochs + 1):
+
+    def checkpoint_now(epoch_in_progress: int, epoch_start: float) -> None:
+        now = time.perf_counter()
+        spent = {"total": elapsed["total"] + now - session_start, "epoch": elapsed["epoch"] + now - epoch_start}
+        state = resume_state(net, progress, epoch_in_progress, runtime, replicas, metrics, spent)
+        if runtime.is_main:
+            save_checkpoint(out / CHECKPOINT_NAME, net, optimizer, scheduler, epoch_in_progress - 1, cfg, state)
+
+    session_start = time.perf_counter()  # training time: total_time_s excludes start-up, as epoch_time_s does
+    for epoch in range(completed + 1, cfg.train.epochs + 1):
         epoch_start = time.perf_counter()
-        if sampler is not None:
-            sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)
         lr = optimizer.param_groups[0]["lr"]
         desc = f"epoch {epoch}/{cfg.train.epochs}"
-        loss, train_acc = train_one_epoch(model, train_loader, optimizer, runtime, desc, cfg.progress_bar)
+        signum = train_steps(model, train_loader, optimizer, runtime, progress, stop, desc, cfg.progress_bar)
+        if signum:
+            checkpoint_now(epoch, epoch_start)
+            name = signal.Signals(signum).name
+            metrics["stopped_at"] = {"epoch": epoch - 1, "step": progress.step, "signal": name}
+            if runtime.is_main:
+                write_json(out / "metrics.json", metrics)
+                log.warning(
+                    "%s: stopped after epoch %d + %d/%d steps; wrote %s (continue with --resume)",
+                    name,
+                    epoch - 1,
+                    progress.step,
+                    len(train_loader),
+                    out / CHECKPOINT_NAME,
+                )
+            return 0
+        loss, train_acc = epoch_means(progress, runtime)
         metrics["bn_transport"] = bn_transports(net)  # how BatchNorm synchronized during training
         scheduler.step()
         if not cfg.model.sync_bn:
@@ -673,7 +1061,7 @@ def run(cfg: Config, runtime: Runtime) -> int:
             # evaluating, as timm's distribute_bn does (one packed collective; a no-op on one process).
             syncbn_dist.sync_running_stats(net)
         test_acc = evaluate(net, test_loader, runtime.device)
-        epoch_time = time.perf_counter() - epoch_start
+        epoch_time = elapsed["epoch"] + time.perf_counter() - epoch_start
         row = {
             "epoch": epoch,
             "lr": lr,
@@ -683,14 +1071,16 @@ def run(cfg: Config, runtime: Runtime) -> int:
             "epoch_time_s": epoch_time,
         }
         metrics["epochs"].append(row)
+        metrics["state_sha256"] = check_same_on_all_ranks(net)  # never checkpoint ranks that diverged
+        progress, elapsed["epoch"] = EpochProgress(), 0.0
+        checkpoint_now(epoch + 1, time.perf_counter())
         if runtime.is_main:
             log.info("%s loss %.4f train_acc %.4f test_acc %.4f (%.1f s)", desc, loss, train_acc, test_acc, epoch_time)
             write_json(out / "metrics.json", metrics)
-    check_same_on_all_ranks(net)
+    metrics["state_sha256"] = check_same_on_all_ranks(net)
     metrics["final_test_acc"] = metrics["epochs"][-1]["test_acc"]
-    metrics["total_time_s"] = time.perf_counter() - start
+    metrics["total_time_s"] = elapsed["total"] + time.perf_counter() - session_start
     if runtime.is_main:
-        save_checkpoint(out / "checkpoint.pt", net, optimizer, scheduler, cfg.train.epochs, cfg)
         write_json(out / "metrics.json", metrics)
         log.info("done: test_acc %.4f in %.1f s; wrote %s", metrics["final_test_acc"], metrics["total_time_s"], out)
     return 0
@@ -699,12 +1089,14 @@ def run(cfg: Config, runtime: Runtime) -> int:
 def main(cfg: Config | None = None) -> int:
     """Run the job with ``cfg``, or with the config from the command line when it is None.
 
-    Returns 2 (after printing the reason) for a bad config, without starting a process group.
+    Returns 2 (after printing the reason) for a bad config or a checkpoint that cannot be resumed, without
+    starting a process group; 0 when training completes or stops on SIGTERM/SIGINT after checkpointing.
     """
     try:
         if cfg is None:
             cfg = parse_args()
         check_launch(cfg)
+        checkpoint = find_resume_checkpoint(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as error:
         print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr)
         return 2
@@ -715,11 +1107,12 @@ def main(cfg: Config | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     try:
-        return run(cfg, runtime)
+        return run(cfg, runtime, checkpoint)
     finally:
         if runtime.distributed:
             dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # record: under torchrun, an uncaught exception (with its traceback) goes into torchrun's failure report.
+    sys.exit(record(main)())
