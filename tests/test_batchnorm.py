@@ -2,8 +2,12 @@
 
 Every check compares against ``nn.BatchNorm`` in float64 on the concatenated global batch: outputs and input
 gradients row by row, weight/bias gradients summed over ranks, running statistics and num_batches_tracked
-after several steps. Each launch runs many cases in one set of worker processes (start-up is the expensive
-part); a failing case names itself in the worker's traceback.
+after several steps.
+
+Process start-up is the expensive part, so there is one launch per topology: world sizes 2 and 3 run every
+section (global batch, eval without communication, errors on every rank, DDP training parity) in the same
+processes, world size 4 the process subgroups. A failing section and case name themselves in the worker's
+traceback. The NCCL variant is marked ``gpu`` and needs two CUDA devices.
 """
 
 from __future__ import annotations
