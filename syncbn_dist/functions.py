@@ -28,6 +28,11 @@ __all__ = ["Transport", "sync_batch_norm", "combine_moments", "local_moments"]
 # magnitude than the variance, which float32 cannot resolve (E[x^2] - E[x]^2 cancels catastrophically).
 _COMBINE_DTYPE = torch.float64
 
+# Channels with |mean| above this many standard deviations get an exact second pass on CPU (see _cpu_mean_var),
+# which forms the deviations from the mean this many values at a time.
+_SHIFT_RATIO = 2.0
+_SHIFT_CHUNK = 1 << 20
+
 # Values per channel in one float32 accumulation of the CPU kernel for float16/bfloat16 input. Its serial float32
 # sums lose accuracy with the count (biased variance off by ~2e-4 relative at 2^20 values per channel and ~3e-2
 # at 2^24), so larger shards are split into chunks of at most this many values, merged in float64 (~1e-6).
@@ -57,10 +62,10 @@ def _channel_view(stat: Tensor, input: Tensor) -> Tensor:
 def local_moments(input: Tensor) -> tuple[Tensor, Tensor]:
     """Per-channel count, sum and sum of squares of one shard of the batch, in float64.
 
-    The sum is accumulated in float64 directly, so the shard mean carries no float32 rounding (at
-    |mean|/std = 1e4 that rounding alone would cost the combined variance ~1e-5 relative accuracy). The
-    sum of squares is rebuilt as ``count * var + sum**2 / count`` from a numerically stable biased variance
-    (two-pass or Welford, accumulated in at least float32), never summed raw in the input dtype.
+    The sum of squares is rebuilt as ``count * (var + mean**2)`` from a numerically stable mean and biased
+    variance, never summed raw in the input dtype, and the shard mean is carried in float64 where its
+    float32 rounding would matter: at |mean|/std = 1e4 that rounding alone would cost the combined variance
+    ~1e-5 relative accuracy. See :func:`_cpu_mean_var` for the CPU strategy.
 
     Args:
         input: (N, C, *) floating tensor, any memory format; N may be 0.
@@ -76,30 +81,95 @@ def local_moments(input: Tensor) -> tuple[Tensor, Tensor]:
     if count == 0:
         return count_tensor, torch.zeros(2 * num_features, dtype=_COMBINE_DTYPE, device=device)
     dims = [0] + list(range(2, input.dim()))
-    reduced_precision = input.dtype in (torch.float16, torch.bfloat16)
-    if reduced_precision and device.type == "cpu" and count > _REDUCED_PRECISION_CHUNK:
-        sums, var = _chunked_sum_and_var(input, dims, count)
+    if device.type == "cpu":
+        mean, var = _cpu_mean_var(input, dims, count)
+        sums = mean * count
     else:
+        # Accelerator reductions convert on load: a float64 sum is one read and no copy. The variance comes
+        # from the native Welford kernel.
         sums = torch.sum(input, dim=dims, dtype=_COMBINE_DTYPE)
-        var = _stable_biased_var(input, dims).to(_COMBINE_DTYPE)
+        var = _native_mean_var(input)[1].to(_COMBINE_DTYPE)
     return count_tensor, torch.cat([sums, var * count + sums * sums / count])
 
 
-def _chunked_sum_and_var(input: Tensor, dims: list[int], count: int) -> tuple[Tensor, Tensor]:
-    """Per-channel float64 sum and biased variance from chunks of ``_REDUCED_PRECISION_CHUNK`` values.
+def _native_mean_var(input: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and biased variance from the native batch-norm statistics kernel (one pass or two).
 
-    Each chunk (a view: no copy) gets a float64 sum and a float32-accumulated variance; they are merged in
-    float64 with the parallel-variance formula of Chan, Golub & LeVeque (1979).
+    Returned in float32 for reduced-precision input (float32 accumulation, no float32 copy of the input),
+    else in the input's dtype.
+    """
+    num_features = input.size(1)
+    # Scratch buffers in the statistics dtype select that output dtype (the kernel rejects float32 buffers
+    # with float64 input); momentum 0 leaves them untouched.
+    stat_dtype = _stat_dtype(input)
+    scratch_mean = torch.zeros(num_features, dtype=stat_dtype, device=input.device)
+    scratch_var = torch.ones(num_features, dtype=stat_dtype, device=input.device)
+    return torch.batch_norm_update_stats(input, scratch_mean, scratch_var, 0.0)
+
+
+def _cpu_mean_var(input: Tensor, dims: list[int], count: int) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and biased variance on CPU, in float64, accurate to ~1e-7 relative.
+
+    - (N, C, *) contiguous float32/float64 input: deviations from a float32 mean, summed exactly in
+      bounded chunks (:func:`_shifted_mean_var`). Exact at any |mean|/std, and faster than the native
+      statistics kernel on this layout.
+    - channels_last, (N, C), float16/bfloat16: the native kernel, which is fast here but rounds its mean to
+      float32 and, for these layouts, accumulates E[x^2] - E[x]^2. Reading its result on the host is free on
+      CPU, so if any channel has |mean| > ``_SHIFT_RATIO`` * std, the exact pass runs as well.
+    - Float16/bfloat16 shards with more than ``_REDUCED_PRECISION_CHUNK`` values per channel are reduced in
+      chunks, since the kernel's float32 sums drift with the count there.
+    """
+    reduced_precision = input.dtype in (torch.float16, torch.bfloat16)
+    if not reduced_precision and input.dim() > 2 and input.is_contiguous():
+        return _shifted_mean_var(input, dims, input.sum(dim=dims).to(_COMBINE_DTYPE) / count)
+    if reduced_precision and count > _REDUCED_PRECISION_CHUNK:
+        mean, var = _chunked_mean_var(input, count)
+    else:
+        mean, var = (stat.to(_COMBINE_DTYPE) for stat in _native_mean_var(input))
+    if bool((mean.abs() > _SHIFT_RATIO * var.sqrt()).any()):
+        return _shifted_mean_var(input, dims, mean)
+    return mean, var
+
+
+def _shifted_mean_var(input: Tensor, dims: list[int], shift: Tensor) -> tuple[Tensor, Tensor]:
+    """Exact per-channel mean and biased variance of ``input`` from its deviations around ``shift``.
+
+    The deviations are of the order of the standard deviation, so their sums carry no cancellation; the
+    mean is ``shift + mean(deviation)`` in float64. The deviations are formed ``_SHIFT_CHUNK`` values at a
+    time along dim 0, so the temporary memory stays small whatever the activation size.
+    """
+    stat_dtype = _stat_dtype(input)
+    shift = _channel_view(shift.to(stat_dtype), input)
+    count = input.numel() // input.size(1)
+    rows = max(1, _SHIFT_CHUNK // max(1, input[:1].numel()))
+    sums = torch.zeros(input.size(1), dtype=_COMBINE_DTYPE, device=input.device)
+    squares = torch.zeros_like(sums)
+    for part in input.split(rows, dim=0):
+        deviations = part.to(stat_dtype) - shift
+        sums += deviations.sum(dim=dims)
+        squares += deviations.square_().sum(dim=dims)
+    offset = sums / count
+    # The shift was rounded to stat_dtype before subtracting: add back exactly what was subtracted.
+    mean = shift.flatten().to(_COMBINE_DTYPE) + offset
+    return mean, (squares / count - offset * offset).clamp_(min=0.0)
+
+
+def _chunked_mean_var(input: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and biased variance from chunks of at most ``_REDUCED_PRECISION_CHUNK`` values.
+
+    Each chunk (a view: no copy) gets the native kernel's float32 statistics; they are merged in float64
+    with the parallel-variance formula of Chan, Golub & LeVeque (1979).
     """
     chunks = _split_values_per_channel(input, _REDUCED_PRECISION_CHUNK)
     counts = torch.tensor([c.numel() // c.size(1) for c in chunks], dtype=_COMBINE_DTYPE, device=input.device)
     counts = counts.unsqueeze(1)
-    chunk_sums = torch.stack([torch.sum(c, dim=dims, dtype=_COMBINE_DTYPE) for c in chunks])
-    chunk_vars = torch.stack([_stable_biased_var(c, dims) for c in chunks]).to(_COMBINE_DTYPE)
-    sums = chunk_sums.sum(0)
-    deviations = chunk_sums / counts - sums / count
+    stats = [_native_mean_var(c) for c in chunks]
+    chunk_means = torch.stack([m for m, _ in stats]).to(_COMBINE_DTYPE)
+    chunk_vars = torch.stack([v for _, v in stats]).to(_COMBINE_DTYPE)
+    mean = (counts * chunk_means).sum(0) / count
+    deviations = chunk_means - mean
     var = (counts * chunk_vars).sum(0) / count + (counts * deviations * deviations).sum(0) / count
-    return sums, var
+    return mean, var
 
 
 def _split_values_per_channel(input: Tensor, limit: int) -> list[Tensor]:
@@ -116,27 +186,6 @@ def _split_values_per_channel(input: Tensor, limit: int) -> list[Tensor]:
             step = max(1, limit // (per_channel // size))
             return [chunk for part in input.split(step, dim) for chunk in _split_values_per_channel(part, limit)]
     return [input]
-
-
-def _stable_biased_var(input: Tensor, dims: list[int]) -> Tensor:
-    """Biased per-channel variance, accurate to ~1e-7 relative even far from zero mean.
-
-    On CPU the native batch-norm statistics kernel is a fast two-pass reduction for (N, C, *) contiguous
-    input with spatial dims, but accumulates E[x^2] - E[x]^2 for (N, C) and channels_last layouts, which
-    loses digits at large |mean|/std; those layouts use torch.var_mean (Welford) instead. Float16/bfloat16
-    input always takes the native kernel with float32 accumulation (at most ``_REDUCED_PRECISION_CHUNK``
-    values per channel on CPU, see :func:`local_moments`), which avoids a float32 copy of the activations.
-    """
-    reduced_precision = input.dtype in (torch.float16, torch.bfloat16)
-    if reduced_precision or (input.device.type == "cpu" and input.dim() > 2 and input.is_contiguous()):
-        num_features = input.size(1)
-        # Scratch buffers in the statistics dtype (float32 for reduced-precision input, else the input's:
-        # the kernel rejects float32 buffers with float64 input); momentum 0 leaves them untouched.
-        stat_dtype = _stat_dtype(input)
-        scratch_mean = torch.zeros(num_features, dtype=stat_dtype, device=input.device)
-        scratch_var = torch.ones(num_features, dtype=stat_dtype, device=input.device)
-        return torch.batch_norm_update_stats(input, scratch_mean, scratch_var, 0.0)[1]
-    return torch.var_mean(input, dim=dims, correction=0)[0]
 
 
 def combine_moments(count: Tensor, moments: Tensor) -> tuple[Tensor, Tensor]:

@@ -65,11 +65,12 @@ def test_local_moments_match_float64(shape: tuple[int, ...], memory_format: torc
     assert moments.dtype == torch.float64 and moments.shape == (2 * shape[1],)
     assert count.item() == x.numel() // shape[1]
     sums, sumsqs = moments.chunk(2)
-    # The sums are accumulated in float64 from exact float32 values: only float64 rounding remains.
-    torch.testing.assert_close(sums, x64.sum(dims), rtol=1e-12, atol=1e-12)
-    # The sum of squares is rebuilt from a float32-stable variance: ~1e-7 relative to the variance term,
-    # and the variance is a small part of sumsq here (mean 2, std 1), so 1e-7 relative on sumsq is ample.
-    torch.testing.assert_close(sumsqs, (x64 * x64).sum(dims), rtol=1e-7, atol=0.0)
+    # Near zero mean (here |mean|/std <= 2.2) the CPU path may take the native kernel's float32 mean: the sum
+    # is then good to float32 rounding of the mean, ~6e-8 relative (the exact float64 path covers large offsets).
+    torch.testing.assert_close(sums, x64.sum(dims), rtol=2e-7, atol=1e-9 * x.numel())
+    # The sum of squares is rebuilt from a float32-stable variance and mean: ~1e-7 relative to the variance
+    # and mean terms (mean 2, std 1 here), so 1e-6 relative on sumsq is ample.
+    torch.testing.assert_close(sumsqs, (x64 * x64).sum(dims), rtol=1e-6, atol=0.0)
 
 
 @pytest.mark.parametrize("shape", [(0, 3), (0, 3, 4), (0, 2, 3, 3)])
@@ -91,8 +92,9 @@ def test_local_moments_reduced_precision_payload(dtype: torch.dtype, shape: tupl
     assert count.shape == count32.shape and moments.shape == moments32.shape
     x64 = x.double()
     sums, sumsqs = moments.chunk(2)
-    # Sums of exactly representable half values accumulated in float64: exact up to float64 rounding.
-    torch.testing.assert_close(sums, x64.sum(_reduce_dims(x64)), rtol=1e-12, atol=1e-12)
+    # Half values upcast exactly, statistics accumulated in float32: the mean is good to ~1e-7 of |mean| + std.
+    count_per_channel = x.numel() // shape[1]
+    torch.testing.assert_close(sums, x64.sum(_reduce_dims(x64)), rtol=2e-7, atol=2e-7 * count_per_channel)
     # The variance is computed in float32 from the upcast values (not in half): float32-level accuracy.
     torch.testing.assert_close(sumsqs, (x64 * x64).sum(_reduce_dims(x64)), rtol=1e-6, atol=0.0)
 
@@ -111,8 +113,9 @@ def test_combine_moments_over_uneven_shards(shape: tuple[int, ...]) -> None:
     ref_var, ref_mean = torch.var_mean(x.double(), dim=_reduce_dims(x), correction=0)
     assert count.item() == x.numel() // shape[1]
     assert mean.dtype == var.dtype == torch.float64
-    # Float64 combination of float64 sums: only float64 rounding and the ~1e-7 shard variances remain.
-    torch.testing.assert_close(mean, ref_mean, rtol=1e-12, atol=1e-12)
+    # Float64 combination of shard statistics that are exact to float32 accumulation (std is 1 here): the mean
+    # to ~1e-7 of the std, the variance to ~1e-7 relative; 1e-6 leaves margin.
+    torch.testing.assert_close(mean, ref_mean, rtol=0.0, atol=1e-6)
     torch.testing.assert_close(var, ref_var, rtol=1e-6, atol=0.0)
 
 
