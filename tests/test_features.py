@@ -322,9 +322,10 @@ def test_count_stays_exact_past_2_24_values_per_channel(dtype: torch.dtype) -> N
     mean, var = combine_moments(count, moments)
     values = x.double()
     ref_var, ref_mean = torch.var_mean(values, dim=0, correction=0)
-    # The sum is accumulated in float64 over exact low-precision values: only float64 rounding remains.
-    _assert_close(mean, ref_mean, "mean", rtol=1e-12, atol=0.0)
-    # Variance: float32 accumulation in chunks of 2^14 values, merged in float64 (~1e-6 relative).
+    # Statistics are accumulated in (at least) float32 over bounded chunks and merged in float64: the mean to
+    # ~1e-7 relative (one serial float32 sum of 2^24 values around 3 drifts by ~1e-2).
+    _assert_close(mean, ref_mean, "mean", rtol=1e-6, atol=0.0)
+    # Variance: the same (~1e-6 relative); the unchunked float32 kernel is off by ~3e-2 here.
     _assert_close(var, ref_var, "variance", rtol=1e-5, atol=0.0)
 
 
@@ -937,7 +938,7 @@ def test_distributed_features() -> None:
     ref_var = ref_m2 / n_total
     for r in large:
         assert r["count"] == n_total  # exact in float64; float32 would round it
-        assert r["mean"] == pytest.approx(ref_mean, rel=1e-12)  # float64 sums of exact float16 values
+        assert r["mean"] == pytest.approx(ref_mean, rel=1e-6)  # float32 chunk accumulation, float64 merge
         assert r["var"] == pytest.approx(ref_var, rel=1e-5)  # float32 chunks of 2^14 values, merged in float64
         assert r["output_dtype"] == "torch.float16"
         # float16 buffers after one update with momentum 1: the statistics rounded once to float16.
