@@ -1044,14 +1044,15 @@ def _run(cfg: Config, runtime: Runtime, checkpoint: dict[str, Any] | None, stop:
             metrics["stopped_at"] = {"epoch": epoch - 1, "step": progress.step, "signal": name}
             if runtime.is_main:
                 write_json(out / "metrics.json", metrics)
-                log.warning(
-                    "%s: stopped after epoch %d + %d/%d steps; wrote %s (continue with --resume)",
-                    name,
-                    epoch - 1,
-                    progress.step,
-                    len(train_loader),
-                    out / CHECKPOINT_NAME,
-                )
+            # Every rank says it stopped cleanly (non-main ranks log warnings only).
+            log.warning(
+                "%s: stopped after epoch %d + %d/%d steps; %s (continue with --resume)",
+                name,
+                epoch - 1,
+                progress.step,
+                len(train_loader),
+                f"wrote {out / CHECKPOINT_NAME}" if runtime.is_main else "rank 0 wrote the checkpoint",
+            )
             return 0
         loss, train_acc = epoch_means(progress, runtime)
         metrics["bn_transport"] = bn_transports(net)  # how BatchNorm synchronized during training

@@ -1,0 +1,560 @@
+"""Reliability of the training job launch/train.py: checkpoints, stop and resume, a dead rank, multi-node.
+
+In-process: checkpoint contents (``torch.load(weights_only=True)``), refusal of incompatible or unsafe
+checkpoints, atomic writes, and a signal at an exact step followed by a resume (one process, and two gloo
+ranks through ``tests/launcher.py`` with the signal sent to one rank only). As real subprocesses (marked
+``slow``): SIGTERM to a 2-process torchrun mid-training then ``--resume``, SIGKILL of one worker, and two
+torchrun "nodes" on loopback against a single-node run.
+
+Reference results always come from an uninterrupted run of the same job with the same seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import pytest
+import torch
+from launcher import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_train() -> ModuleType:
+    """launch/train.py as a module (launch/ is not a package: the library never imports from it)."""
+    name = "syncbn_launch_train"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / "train.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses and get_type_hints look the module up by name
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+train = _load_train()
+
+# Small and quick; the per-BatchNorm batch stays the shipped 16.
+QUICK = ["model.width=4", "train.epochs=2", "progress_bar=false"]
+
+
+def _cfg(out: Path, *overrides: str) -> Any:
+    return train.load_config(ROOT / "configs" / "digits.yaml", [*QUICK, f"output_dir={out}", *overrides])
+
+
+def _metrics(out: Path) -> dict[str, Any]:
+    return json.loads((out / "metrics.json").read_text())
+
+
+def _checkpoint(out: Path) -> dict[str, Any]:
+    return torch.load(out / "checkpoint.pt", weights_only=True)
+
+
+def _assert_same_training(resumed: Path, reference: Path) -> None:
+    """The resumed run's per-epoch metrics and final model equal the uninterrupted run's.
+
+    Same batches, dropout masks and summation order make them bit-identical on CPU; the tolerance is
+    float32 rounding, room for a reduction order that differs after a restart (e.g. DDP rebuilding its
+    buckets with more than two ranks). A lost or repeated step, or a wrong RNG state, moves the loss and
+    the weights by orders of magnitude more.
+    """
+    got, want = _metrics(resumed), _metrics(reference)
+    assert [row["epoch"] for row in got["epochs"]] == [row["epoch"] for row in want["epochs"]]  # none lost/repeated
+    for key in ("lr", "loss", "train_acc", "test_acc"):
+        torch.testing.assert_close(
+            [row[key] for row in got["epochs"]], [row[key] for row in want["epochs"]], rtol=1e-6, atol=1e-7
+        )
+    assert got["final_test_acc"] == want["final_test_acc"]  # counts of correct test images: exact
+    got_state, want_state = _checkpoint(resumed)["model"], _checkpoint(reference)["model"]
+    assert got_state.keys() == want_state.keys()
+    for name in want_state:
+        # num_batches_tracked counts the steps: exact, so a lost or repeated step fails here first.
+        torch.testing.assert_close(got_state[name], want_state[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+class _Forward:
+    """Patches DigitsNet.forward to run ``action()`` during the n-th training-mode forward (1-based)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, n: int, action: Callable[[], None]) -> None:
+        self.calls, original = 0, train.DigitsNet.forward
+
+        def forward(net: Any, x: torch.Tensor) -> torch.Tensor:
+            if net.training:
+                self.calls += 1
+                if self.calls == n:
+                    action()
+            return original(net, x)
+
+        monkeypatch.setattr(train.DigitsNet, "forward", forward)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One process, in-process: checkpoint contents, refusals, and a signal at an exact step.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Any:
+    """One intra-op thread, as under torchrun: on a busy 2-core machine more make these runs ~30x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted one-process run of the quick config; its output_dir."""
+    out = tmp_path_factory.mktemp("reference")
+    assert train.main(_cfg(out)) == 0
+    return out
+
+
+def test_checkpoint_holds_everything_to_resume_and_loads_weights_only(reference_run: Path) -> None:
+    checkpoint = _checkpoint(reference_run)  # weights_only=True: tensors and plain containers only
+    cfg = _cfg(reference_run)
+    metrics = _metrics(reference_run)
+    assert checkpoint["format"] == train.CHECKPOINT_FORMAT
+    assert checkpoint["config"] == dataclasses.asdict(cfg)
+    assert (checkpoint["epoch"], checkpoint["step"], checkpoint["sampler_epoch"]) == (2, 0, 3)  # 2 epochs done
+    assert checkpoint["world_size"] == 1 and checkpoint["replicas_per_process"] == 1
+    rng = checkpoint["rng"]["torch"]
+    assert rng.dtype == torch.uint8 and rng.shape == (1, torch.get_rng_state().numel())
+    assert checkpoint["epoch_sums"].tolist() == [[0.0, 0.0, 0.0]]  # nothing of epoch 3 yet
+    assert checkpoint["metrics"]["epochs"] == metrics["epochs"]
+    assert checkpoint["scheduler"]["last_epoch"] == 2
+    momentum = [s["momentum_buffer"] for s in checkpoint["optimizer"]["state"].values()]
+    assert momentum and all(torch.isfinite(m).all() and m.abs().sum() > 0 for m in momentum)
+    net = train.DigitsNet(cfg.model)
+    net.load_state_dict(checkpoint["model"])
+    steps = metrics["steps_per_epoch"]
+    assert all(b.item() == 2 * steps for n, b in net.named_buffers() if n.endswith("num_batches_tracked"))
+    # The RNG state is the one after the last dropout draw: restoring it continues the same stream.
+    assert not torch.equal(rng[0], torch.manual_seed(cfg.seed).get_state())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_at_the_next_step_and_resume_equals_the_uninterrupted_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference_run: Path, signum: signal.Signals
+) -> None:
+    steps = _metrics(reference_run)["steps_per_epoch"]
+    unhandled: list[int] = []
+
+    def fallback(signum: int, frame: Any) -> None:
+        unhandled.append(signum)
+
+    previous = {s: signal.signal(s, fallback) for s in train.StopRequest.SIGNALS}
+    try:
+        # The signal arrives during the 8th step of epoch 2; that step completes, then the job stops.
+        _Forward(monkeypatch, steps + 8, lambda: os.kill(os.getpid(), signum))
+        assert train.main(_cfg(tmp_path)) == 0
+        assert signal.getsignal(signum) is fallback  # the job restored the handlers it replaced
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert unhandled == []  # the job's handler, not the test's fallback, got the signal
+
+    checkpoint = _checkpoint(tmp_path)
+    assert (checkpoint["epoch"], checkpoint["step"], checkpoint["sampler_epoch"]) == (1, 8, 2)
+    assert checkpoint["epoch_sums"][0, 2].item() == 8 * 16  # samples seen in epoch 2 so far
+    assert _metrics(tmp_path)["stopped_at"] == {"epoch": 1, "step": 8, "signal": signum.name}
+    tracked = checkpoint["model"]["head.2.num_batches_tracked"].item()
+    assert tracked == steps + 8
+
+    monkeypatch.undo()
+    assert train.main(_cfg(tmp_path, "resume=true")) == 0
+    _assert_same_training(tmp_path, reference_run)
+    resumed = _metrics(tmp_path)
+    assert resumed["resumed_from"] == [{"epoch": 1, "step": 8}] and "stopped_at" not in resumed
+
+
+def test_checkpoint_is_written_atomically_every_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference_run: Path
+) -> None:
+    # Epoch 1's checkpoint is written; epoch 2's save dies half-way through writing.
+    real_save = torch.save
+    saves = []
+
+    def save(obj: Any, f: Any) -> None:
+        saves.append(obj["epoch"])
+        if len(saves) == 2:
+            f.write(b"partial")
+            raise OSError("disk full")
+        real_save(obj, f)
+
+    monkeypatch.setattr(train.torch, "save", save)
+    with pytest.raises(OSError, match="disk full"):
+        train.main(_cfg(tmp_path))
+    assert saves == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt", "config.yaml", "metrics.json"]  # no temp
+    assert _checkpoint(tmp_path)["epoch"] == 1  # the previous checkpoint, intact
+    assert [row["epoch"] for row in _metrics(tmp_path)["epochs"]] == [1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Refusals: incompatible, unsafe, foreign or missing checkpoints.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def resumable(tmp_path: Path, reference_run: Path) -> Path:
+    """A copy of the reference run's checkpoint, edited to say it stopped 3 steps into epoch 2 (for refusals)."""
+    checkpoint = _checkpoint(reference_run)
+    checkpoint["epoch"], checkpoint["step"], checkpoint["sampler_epoch"] = 1, 3, 2
+    torch.save(checkpoint, tmp_path / "checkpoint.pt")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (["model.width=8"], ["model.width: 4 in the checkpoint, 8 now"]),
+        (["seed=1"], ["seed: 0 in the checkpoint, 1 now"]),
+        (["data.batch_size=8", "train.lr=0.2"], ["2 key(s)", "data.batch_size: 16", "train.lr: 0.1"]),
+        (["parallel=dataparallel"], ["parallel: 'ddp' in the checkpoint, 'dataparallel' now"]),
+        (["model.sync_bn=false"], ["model.sync_bn: True in the checkpoint, False now"]),
+        (["train.epochs=1"], ["at epoch 1 (+3 steps), past train.epochs=1"]),
+    ],
+)
+def test_incompatible_checkpoint_is_refused_before_any_process_group(
+    resumable: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    overrides: list[str],
+    fragments: list[str],
+) -> None:
+    cfg = _cfg(resumable, "resume=true", *overrides)
+    with pytest.raises(train.CheckpointError) as info:
+        train.find_resume_checkpoint(cfg, world_size=1)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+    def no_group(cfg: Any) -> None:
+        raise AssertionError("init_distributed was called before the checkpoint was refused")
+
+    monkeypatch.setattr(train, "init_distributed", no_group)
+    assert train.main(cfg) == 2
+    assert str(info.value) in capsys.readouterr().err
+
+
+def test_world_size_must_match_the_checkpoint(resumable: Path) -> None:
+    with pytest.raises(train.CheckpointError, match=r"written by 1 process\(es\), this run has 2"):
+        train.find_resume_checkpoint(_cfg(resumable, "resume=true"), world_size=2)
+
+
+def test_keys_that_do_not_change_a_step_may_change_on_resume(resumable: Path, tmp_path_factory: Any) -> None:
+    cfg = _cfg(resumable, "resume=true", "train.epochs=5", "timeout_s=10.0", "data.eval_batch_size=7")
+    assert train.find_resume_checkpoint(cfg, world_size=1)["epoch"] == 1
+    # Copied elsewhere: output_dir differs from the one in the checkpoint's config.
+    moved = tmp_path_factory.mktemp("moved")
+    (moved / "checkpoint.pt").write_bytes((resumable / "checkpoint.pt").read_bytes())
+    assert train.find_resume_checkpoint(_cfg(moved, "resume=true"), world_size=1)["epoch"] == 1
+    assert train.find_resume_checkpoint(_cfg(resumable), world_size=1) is None  # resume is off
+
+
+class _RunsCode:
+    """An object whose unpickling would call os.system: what weights_only=True must refuse to do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoint_that_would_run_code_is_refused_and_the_code_never_runs(
+    resumable: Path, tmp_path_factory: Any
+) -> None:
+    marker = tmp_path_factory.mktemp("marker") / "pwned"
+    checkpoint = _checkpoint(resumable)
+    checkpoint["metrics"]["payload"] = _RunsCode(marker)
+    torch.save(checkpoint, resumable / "checkpoint.pt")
+    with pytest.raises(train.CheckpointError, match=r"weights_only=True"):
+        train.find_resume_checkpoint(_cfg(resumable, "resume=true"), world_size=1)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "fragment"),
+    [
+        (lambda path: path.write_bytes(path.read_bytes()[:1000]), "cannot load checkpoint"),  # truncated
+        (lambda path: torch.save([1, 2], path), "expected a mapping (got list)"),
+        (lambda path: torch.save({"model": {}, "epoch": 1}, path), "not a resumable checkpoint"),  # e.g. older format
+        (lambda path: _drop(path, "rng"), "no resume state (missing keys: rng)"),
+    ],
+)
+def test_unreadable_or_foreign_checkpoint_is_refused(
+    resumable: Path, corrupt: Callable[[Path], None], fragment: str
+) -> None:
+    corrupt(resumable / "checkpoint.pt")
+    with pytest.raises(train.CheckpointError, match="checkpoint") as info:
+        train.find_resume_checkpoint(_cfg(resumable, "resume=true"), world_size=1)
+    assert fragment in str(info.value)
+
+
+def _drop(path: Path, key: str) -> None:
+    checkpoint = torch.load(path, weights_only=True)
+    del checkpoint[key]
+    torch.save(checkpoint, path)
+
+
+def test_resume_without_a_checkpoint_starts_afresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, reference_run: Path
+) -> None:
+    with caplog.at_level("WARNING", logger="train"):
+        assert train.main(_cfg(tmp_path, "resume=true")) == 0
+    assert "no checkpoint.pt" in caplog.text and "starting afresh" in caplog.text
+    _assert_same_training(tmp_path, reference_run)
+
+
+def test_resume_cli_flag_sets_resume(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert train.parse_args(["--resume"]).resume is True
+    assert train.parse_args([]).resume is False
+    assert train.parse_args(["--set", "resume=true"]).resume is True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Two gloo ranks in-process: a signal reaching one rank only, at an exact step.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _stop_one_rank_case(module: ModuleType, runtime: Any, root: str, signal_at: int, sync_bn: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    def cfg(name: str, *overrides: str) -> Any:
+        sets = [*QUICK, f"output_dir={root}/{name}_{sync_bn}", f"model.sync_bn={sync_bn}", *overrides]
+        return module.load_config(ROOT / "configs" / "digits.yaml", sets)
+
+    assert module.run(cfg("reference"), runtime) == 0
+    dist.barrier()  # rank 0 writes after the last collective
+    original, calls = module.DigitsNet.forward, [0]
+
+    def forward(net: Any, x: torch.Tensor) -> torch.Tensor:
+        if net.training:
+            calls[0] += 1
+            if runtime.rank == 1 and calls[0] == signal_at:
+                os.kill(os.getpid(), signal.SIGTERM)  # rank 1 only: rank 0 must learn of it and stop too
+        return original(net, x)
+
+    module.DigitsNet.forward = forward
+    try:
+        status = module.run(cfg("stopped"), runtime)
+    finally:
+        module.DigitsNet.forward = original
+    dist.barrier()
+    assert module.run(cfg("stopped", "resume=true"), runtime) == 0
+    dist.barrier()
+    return {"status": status, "forwards": calls[0]}
+
+
+def _stop_one_rank_worker(rank: int, world_size: int, root: str, signal_at: int) -> list[dict[str, Any]]:
+    module = _load_train()
+    runtime = module.Runtime(rank, world_size, torch.device("cpu"), True)
+    # sync_bn false: plain BatchNorm, whose running statistics differ across ranks mid-epoch.
+    return [_stop_one_rank_case(module, runtime, root, signal_at, sync_bn) for sync_bn in ("true", "false")]
+
+
+@pytest.mark.distributed
+def test_signal_to_one_rank_stops_every_rank_at_the_same_step_and_resume_is_exact(tmp_path: Path) -> None:
+    steps = (1437 // 2) // 16  # DistributedSampler(drop_last) shards of the 1,437 training images
+    signal_at = steps + 5  # rank 1 gets SIGTERM during its 5th step of epoch 2
+    # A rank that stopped alone would leave the other in a collective: collective_timeout bounds that hang.
+    results = run_distributed(_stop_one_rank_worker, 2, str(tmp_path), signal_at, timeout=240, collective_timeout=30)
+    for variant, sync_bn in enumerate(("true", "false")):
+        assert [r[variant]["status"] for r in results] == [0, 0]  # both stopped cleanly
+        assert [r[variant]["forwards"] for r in results] == [signal_at, signal_at]  # after the same step
+        stopped = tmp_path / f"stopped_{sync_bn}"
+        metrics = _metrics(stopped)
+        assert metrics["resumed_from"] == [{"epoch": 1, "step": 5}]
+        _assert_same_training(stopped, tmp_path / f"reference_{sync_bn}")
+        assert len(set(metrics["state_sha256"])) == 1  # both ranks ended identical
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The job as real subprocesses under torchrun.
+# ---------------------------------------------------------------------------------------------------------
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+STANDALONE = [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
+JOB = ["model.width=8", "train.epochs=3", "progress_bar=false"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # CPU paths, whatever the machine
+    for key in list(env):
+        if key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") or key.startswith("TORCHELASTIC"):
+            del env[key]
+    return env
+
+
+class _Job:
+    """One torchrun invocation of launch/train.py, its output in ``log``; killed with its workers on close."""
+
+    def __init__(
+        self, launcher: list[str], out: Path, *overrides: str, flags: tuple[str, ...] = (), log: str = ""
+    ) -> None:
+        self.out, self.log = out, out.parent / f"{log or out.name}.log"
+        sets = [arg for key in [*JOB, f"output_dir={out}", *overrides] for arg in ("--set", key)]
+        with open(self.log, "w") as log_file:
+            self.proc = subprocess.Popen(
+                [*launcher, "launch/train.py", "--config", "configs/digits.yaml", *sets, *flags],
+                cwd=ROOT,
+                env=_env(),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
+
+    def wait(self, timeout: float) -> int:
+        """torchrun's exit code; fails the test (killing everything) if it has not exited within ``timeout``."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.close()
+            pytest.fail(f"torchrun did not exit within {timeout} s:\n{self.text()}")
+
+    def succeed(self, timeout: float = 240) -> None:
+        code = self.wait(timeout)
+        assert code == 0, f"torchrun exited {code}:\n{self.text()}"
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def workers(self) -> list[int]:
+        """The worker pids (torchrun's children)."""
+        children = []
+        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
+            try:
+                children += (task / "children").read_text().split()
+            except FileNotFoundError:  # a thread that just ended
+                pass
+        return sorted(int(pid) for pid in children)
+
+    def wait_for_epoch(self, epoch: int, timeout: float = 180) -> list[dict[str, Any]]:
+        """metrics.json's epochs once it lists ``epoch`` (rank 0 writes it atomically after that epoch's checkpoint)."""
+        deadline = time.monotonic() + timeout
+        path = self.out / "metrics.json"
+        while time.monotonic() < deadline:
+            if path.is_file() and len(rows := json.loads(path.read_text())["epochs"]) >= epoch:
+                return rows
+            if self.proc.poll() is not None:
+                pytest.fail(f"torchrun exited ({self.proc.returncode}) before epoch {epoch}:\n{self.text()}")
+            time.sleep(0.05)
+        self.close()
+        pytest.fail(f"epoch {epoch} did not finish within {timeout} s:\n{self.text()}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            workers = self.workers()
+            self.proc.kill()
+            for pid in workers:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.wait()
+
+
+@pytest.fixture
+def jobs() -> Any:
+    """Starts :class:`_Job`\\ s; kills whatever is still running at the end of the test."""
+    started: list[_Job] = []
+
+    def start(*args: Any, **kwargs: Any) -> _Job:
+        started.append(_Job(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for job in started:
+        job.close()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_to_torchrun_mid_training_then_resume_equals_the_uninterrupted_run(tmp_path: Path, jobs: Any) -> None:
+    reference = jobs(STANDALONE, tmp_path / "reference")
+    stopped = jobs(STANDALONE, tmp_path / "stopped")
+    rows = stopped.wait_for_epoch(1)
+    time.sleep(0.3 * rows[0]["epoch_time_s"])  # into epoch 2, most likely mid-epoch
+    stopped.proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
+    # torchrun exits 1 (it re-raises the SignalException); the workers checkpoint and exit 0 first.
+    assert stopped.wait(timeout=60) != 0
+    log = stopped.text()
+    assert "got signal: 15" in log and "Unable to shutdown process" not in log  # no worker needed a SIGKILL
+    for rank in (0, 1):
+        assert f"[rank {rank}] SIGTERM: stopped after epoch" in log, log
+    checkpoint = _checkpoint(tmp_path / "stopped")
+    position = {"epoch": checkpoint["epoch"], "step": checkpoint["step"]}
+    assert 1 <= position["epoch"] < 3  # stopped mid-training, after epoch 1
+    assert _metrics(tmp_path / "stopped")["stopped_at"] == {**position, "signal": "SIGTERM"}
+
+    jobs(STANDALONE, tmp_path / "stopped", flags=("--resume",), log="resumed").succeed()
+    reference.succeed()
+    assert _metrics(tmp_path / "stopped")["resumed_from"] == [position]
+    _assert_same_training(tmp_path / "stopped", tmp_path / "reference")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigkilled_worker_fails_the_run_with_torchrun_report_instead_of_hanging(tmp_path: Path, jobs: Any) -> None:
+    job = jobs(STANDALONE, tmp_path / "killed", "timeout_s=20.0")
+    job.wait_for_epoch(1)
+    workers = job.workers()
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    # The survivor's next collective fails (gloo sees the connection drop, or times out after timeout_s),
+    # and torchrun's monitor notices the dead worker: well within timeout_s + torchrun's 30 s grace.
+    code = job.wait(timeout=90)
+    log = job.text()
+    assert code != 0, log
+    assert "ChildFailedError" in log and "launch/train.py FAILED" in log
+    assert f"exitcode  : -9 (pid: {workers[1]})" in log and "Signal 9 (SIGKILL)" in log  # the root cause
+    assert "final_test_acc" not in _metrics(tmp_path / "killed")  # it did not finish
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_nodes_on_loopback_equal_a_single_node_run(tmp_path: Path, jobs: Any) -> None:
+    single = jobs(STANDALONE, tmp_path / "single", "train.epochs=2")
+    port = _free_port()
+    node = [
+        *TORCHRUN,
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{port}",
+        f"--rdzv_id=test-{port}",
+        "--local_addr=127.0.0.1",
+    ]
+    # One output_dir (loopback: shared storage); whichever node gets rank 0 writes it.
+    nodes = [
+        jobs([*node, f"--node_rank={r}"], tmp_path / "multinode", "train.epochs=2", log=f"node{r}") for r in (0, 1)
+    ]
+    for job in [*nodes, single]:
+        job.succeed()
+    got, want = _metrics(tmp_path / "multinode"), _metrics(tmp_path / "single")
+    assert got["world_size"] == 2 and got["bn_transport"] == ["distributed"]
+    # Every rank's final state digest (parameters and running statistics): identical across the two
+    # nodes, and to the single-node run's.
+    assert len(got["state_sha256"]) == 2 and len(set(got["state_sha256"])) == 1
+    assert got["state_sha256"] == want["state_sha256"]
+    got_state, want_state = _checkpoint(tmp_path / "multinode")["model"], _checkpoint(tmp_path / "single")["model"]
+    for name in [n for n in want_state if n.endswith(("running_mean", "running_var", "num_batches_tracked"))]:
+        # Same seed, shards and two-term sums (commutative in IEEE arithmetic): bit-identical.
+        torch.testing.assert_close(got_state[name], want_state[name], rtol=0, atol=0, msg=name)
+    assert [r["loss"] for r in got["epochs"]] == [r["loss"] for r in want["epochs"]]
