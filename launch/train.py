@@ -8,9 +8,10 @@ Commands (from the repository root)::
     torchrun --standalone --nproc_per_node=2 launch/train.py --config configs/digits.yaml \
         --set train.epochs=3 --set output_dir=outputs/quick
     torchrun --standalone --nproc_per_node=2 launch/train.py --config configs/digits.yaml --resume
-    # two "nodes" on loopback (run both; see configs/digits_multinode.yaml):
-    torchrun --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:29510 \
-        --rdzv_id=digits --local_addr=127.0.0.1 launch/train.py --config configs/digits_multinode.yaml
+    make train-multinode             # two "nodes" x 1 process on loopback: this command, twice at once
+    OMP_NUM_THREADS=1 torchrun --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d \
+        --rdzv_endpoint=127.0.0.1:29510 --rdzv_id=digits-multinode --local_addr=127.0.0.1 \
+        launch/train.py --config configs/digits_multinode.yaml
     python launch/train.py --help
 
 ``parallel: ddp`` runs one process per rank under torchrun: the BatchNorm layers are converted with

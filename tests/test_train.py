@@ -57,6 +57,13 @@ def _yaml(tmp_path: Path, text: str) -> Path:
     [
         ("digits.yaml", "ddp", "torchrun --standalone --nproc_per_node=2 launch/train.py --config configs/digits.yaml"),
         ("digits_dp.yaml", "dataparallel", "python launch/train.py --config configs/digits_dp.yaml"),
+        (
+            "digits_multinode.yaml",
+            "ddp",
+            "--rdzv_backend=c10d \\\n"
+            "#       --rdzv_endpoint=127.0.0.1:29510 --rdzv_id=digits-multinode --local_addr=127.0.0.1 \\\n"
+            "#       launch/train.py --config configs/digits_multinode.yaml",
+        ),
     ],
 )
 def test_shipped_configs_load_and_document_their_command(name: str, parallel: str, command: str) -> None:
@@ -68,6 +75,7 @@ def test_shipped_configs_load_and_document_their_command(name: str, parallel: st
     assert all(line.startswith("#") for line in header.splitlines())
     assert command in header
     assert "--set " in header  # an override example
+    assert cfg.resume is False  # a shipped config never resumes by accident
 
 
 def test_yaml_and_overrides_layer_over_typed_defaults(tmp_path: Path) -> None:
@@ -94,6 +102,9 @@ def test_yaml_and_overrides_layer_over_typed_defaults(tmp_path: Path) -> None:
         ("", ["data.batch_size=-4"], ["'data.batch_size'", "> 0"]),
         ("train:\n  lr: -0.1\n", [], ["'train.lr'", ">= 0", "-0.1"]),
         ("train:\n  epochs: 0\n", [], ["'train.epochs'", "> 0"]),
+        ("timeout_s: 0\n", [], ["'timeout_s'", "> 0", "got 0"]),
+        ("resume: 1\n", [], ["'resume'", "expected bool", "int"]),
+        ("", ["resume=yes please"], ["'resume'", "expected bool", "str"]),
         ("data:\n  test_fraction: 1.0\n", [], ["'data.test_fraction'", "in (0, 1)"]),
         ("", ["train.epochs"], ["--set KEY=VALUE"]),
         ("- a\n- b\n", [], ["expected a mapping"]),

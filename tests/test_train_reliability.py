@@ -541,10 +541,8 @@ def test_two_nodes_on_loopback_equal_a_single_node_run(tmp_path: Path, jobs: Any
         f"--rdzv_id=test-{port}",
         "--local_addr=127.0.0.1",
     ]
-    # One output_dir (loopback: shared storage); whichever node gets rank 0 writes it.
-    nodes = [
-        jobs([*node, f"--node_rank={r}"], tmp_path / "multinode", "train.epochs=2", log=f"node{r}") for r in (0, 1)
-    ]
+    # One output_dir (loopback: shared storage), written by whichever node the rendezvous makes rank 0.
+    nodes = [jobs(node, tmp_path / "multinode", "train.epochs=2", log=f"node{r}") for r in (0, 1)]
     for job in [*nodes, single]:
         job.succeed()
     got, want = _metrics(tmp_path / "multinode"), _metrics(tmp_path / "single")
