@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` pulls a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install train train-dp test bench lint clean
+.PHONY: install train train-dp train-multinode compare test bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,12 @@ train: install
 train-dp: install
 	$(PY) launch/train.py --config configs/digits_dp.yaml
 
+# One intra-op thread per test process: xdist workers and the gloo ranks they spawn share the cores.
 test: install
-	$(PY) -m pytest -n $(NPROC) tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(NPROC) tests
+
+compare: install
+	OMP_NUM_THREADS=1 $(PY) launch/compare.py --config configs/compare.yaml
 
 bench: install
 	$(PY) launch/bench.py --config configs/bench.yaml
