@@ -46,6 +46,7 @@ import inspect
 import itertools
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -931,9 +932,15 @@ def _restore(
                 buffer.copy_(rank_buffers[name][rank])
     optimizer.load_state_dict(checkpoint["optimizer"])
     scheduler.load_state_dict(checkpoint["scheduler"])
-    if getattr(scheduler, "T_max", cfg.train.epochs) != cfg.train.epochs:
-        # train.epochs changed: the cosine decays from the current learning rate to 0 at the new last epoch.
+    if scheduler.T_max != cfg.train.epochs:
+        # train.epochs changed: continue on the cosine of the new length, as if it had been planned from the
+        # start (CosineAnnealingLR's recursive update only scales the current lr, which would stay 0 after
+        # extending a finished run).
         scheduler.T_max = cfg.train.epochs
+        cosine = math.cos(math.pi * scheduler.last_epoch / scheduler.T_max)
+        for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] = scheduler.eta_min + (base_lr - scheduler.eta_min) * (1 + cosine) / 2
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     # clone(): a row of the stacked states is a view at a storage offset, which set_rng_state misreads
     # (torch 2.13: "Invalid mt19937 state", or a crash).
     torch.set_rng_state(checkpoint["rng"]["torch"][rank].clone())

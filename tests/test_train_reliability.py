@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import signal
 import socket
@@ -260,6 +261,22 @@ def test_keys_that_do_not_change_a_step_may_change_on_resume(resumable: Path, tm
     (moved / "checkpoint.pt").write_bytes((resumable / "checkpoint.pt").read_bytes())
     assert train.find_resume_checkpoint(_cfg(moved, "resume=true"), world_size=1)["epoch"] == 1
     assert train.find_resume_checkpoint(_cfg(resumable), world_size=1) is None  # resume is off
+
+
+def test_extending_a_finished_run_continues_on_the_longer_cosine(
+    tmp_path: Path, reference_run: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "checkpoint.pt").write_bytes((reference_run / "checkpoint.pt").read_bytes())
+    with caplog.at_level("INFO", logger="train"):
+        assert train.main(_cfg(tmp_path, "resume=true", "train.epochs=3")) == 0
+    assert "resuming after epoch 2 + 0 steps" in caplog.text
+    rows, reference = _metrics(tmp_path)["epochs"], _metrics(reference_run)["epochs"]
+    assert rows[:2] == reference  # carried over from the checkpoint, not retrained
+    assert rows[2]["epoch"] == 3
+    # Cosine annealing over 3 epochs, after 2 (the 2-epoch schedule has reached lr 0 there).
+    assert rows[2]["lr"] == pytest.approx(0.1 * (1 + math.cos(math.pi * 2 / 3)) / 2, rel=1e-12)
+    steps = _metrics(reference_run)["steps_per_epoch"]
+    assert _checkpoint(tmp_path)["model"]["head.2.num_batches_tracked"].item() == 3 * steps
 
 
 class _RunsCode:
