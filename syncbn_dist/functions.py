@@ -259,10 +259,13 @@ class _LocalMoments(Function):
 def _affine_channels(input: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     """``input * scale + shift`` per channel in one native pass, in the input's dtype and memory format.
 
-    ``F.batch_norm`` in inference mode with zero mean, unit variance and eps 0 is exactly that affine map,
-    computed in float32 for reduced-precision input.
+    Float16/bfloat16 input goes through ``F.batch_norm`` in inference mode with zero mean, unit variance and
+    eps 0, which is exactly that affine map computed in float32; other dtypes use one ``addcmul``.
     """
     stat_dtype = _stat_dtype(input)
+    if stat_dtype == input.dtype:
+        scale, shift = _channel_view(scale.to(stat_dtype), input), _channel_view(shift.to(stat_dtype), input)
+        return torch.addcmul(shift, input, scale)
     zeros = torch.zeros_like(scale, dtype=stat_dtype)
     ones = torch.ones_like(scale, dtype=stat_dtype)
     return F.batch_norm(input, zeros, ones, scale.to(stat_dtype), shift.to(stat_dtype), False, 0.0, 0.0)
