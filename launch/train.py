@@ -512,7 +512,8 @@ class StopRequest:
     the previous ones on exit. A handler only records the signal; :meth:`agreed` all-reduces it (MAX over
     ranks, one int64) so that every rank stops at the same step, whichever ranks got the signal and when:
     a rank that left alone would leave the others waiting in the next collective. Repeated signals
-    change nothing (under torchrun a worker may get one from the terminal and one from the agent).
+    change nothing (a second Ctrl-C does not abort the checkpoint; torchrun SIGKILLs workers 30 s after
+    forwarding a signal anyway).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)

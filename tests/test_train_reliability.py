@@ -334,7 +334,7 @@ def test_resume_without_a_checkpoint_starts_afresh(
     _assert_same_training(tmp_path, reference_run)
 
 
-def test_resume_cli_flag_sets_resume(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_cli_flag_sets_resume() -> None:
     assert train.parse_args(["--resume"]).resume is True
     assert train.parse_args([]).resume is False
     assert train.parse_args(["--set", "resume=true"]).resume is True
