@@ -2,6 +2,9 @@
 PYTHON ?= python3
 NPROC ?= 2
 CONFIG ?= configs/digits.yaml
+ARGS ?=
+RDZV_PORT ?= 29510
+MULTINODE_CONFIG ?= configs/digits_multinode.yaml
 VENV := .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` pulls a multi-GB CUDA build.
@@ -19,10 +22,23 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 train: install
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/train.py --config $(CONFIG)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/train.py --config $(CONFIG) $(ARGS)
 
 train-dp: install
 	$(PY) launch/train.py --config configs/digits_dp.yaml
+
+# Two "nodes" x 1 process on loopback through torchrun's c10d rendezvous (which assigns the node ranks:
+# torchrun ignores --node_rank with c10d); fails if either node fails. OMP_NUM_THREADS=1 because the two
+# nodes share this machine's cores (torchrun sets it only for --nproc_per_node > 1).
+train-multinode: install
+	@pids=""; trap 'kill -TERM $$pids 2>/dev/null' INT TERM; \
+	for node in 0 1; do \
+		OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d \
+			--rdzv_endpoint=127.0.0.1:$(RDZV_PORT) --rdzv_id=digits-multinode --local_addr=127.0.0.1 \
+			launch/train.py --config $(MULTINODE_CONFIG) $(ARGS) & \
+		pids="$$pids $$!"; \
+	done; \
+	status=0; for pid in $$pids; do wait $$pid || status=1; done; exit $$status
 
 # One intra-op thread per test process: xdist workers and the gloo ranks they spawn share the cores.
 test: install
