@@ -139,18 +139,23 @@ def _shifted_mean_var(input: Tensor, dims: list[int], shift: Tensor) -> tuple[Te
     time along dim 0, so the temporary memory stays small whatever the activation size.
     """
     stat_dtype = _stat_dtype(input)
-    shift = _channel_view(shift.to(stat_dtype), input)
+    shift = shift.to(stat_dtype)
+    unit = torch.ones_like(shift)
     count = input.numel() // input.size(1)
     rows = max(1, _SHIFT_CHUNK // max(1, input[:1].numel()))
     sums = torch.zeros(input.size(1), dtype=_COMBINE_DTYPE, device=input.device)
     squares = torch.zeros_like(sums)
     for part in input.split(rows, dim=0):
-        deviations = part.to(stat_dtype) - shift
+        if part.dtype == stat_dtype:
+            # x - shift exactly (unit variance, eps 0), with the native kernel: faster than a broadcast sub.
+            deviations = F.batch_norm(part, shift, unit, None, None, False, 0.0, 0.0)
+        else:
+            deviations = part.to(stat_dtype) - _channel_view(shift, part)
         sums += deviations.sum(dim=dims)
         squares += deviations.square_().sum(dim=dims)
     offset = sums / count
     # The shift was rounded to stat_dtype before subtracting: add back exactly what was subtracted.
-    mean = shift.flatten().to(_COMBINE_DTYPE) + offset
+    mean = shift.to(_COMBINE_DTYPE) + offset
     return mean, (squares / count - offset * offset).clamp_(min=0.0)
 
 
@@ -259,13 +264,11 @@ class _LocalMoments(Function):
 def _affine_channels(input: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     """``input * scale + shift`` per channel in one native pass, in the input's dtype and memory format.
 
-    Float16/bfloat16 input goes through ``F.batch_norm`` in inference mode with zero mean, unit variance and
-    eps 0, which is exactly that affine map computed in float32; other dtypes use one ``addcmul``.
+    ``F.batch_norm`` in inference mode with zero mean, unit variance and eps 0 is exactly that affine map
+    (computed in float32 for reduced-precision input); its kernel is several times faster on CPU than a
+    broadcasting ``addcmul`` for (N, C, H, W) input with small H * W.
     """
     stat_dtype = _stat_dtype(input)
-    if stat_dtype == input.dtype:
-        scale, shift = _channel_view(scale.to(stat_dtype), input), _channel_view(shift.to(stat_dtype), input)
-        return torch.addcmul(shift, input, scale)
     zeros = torch.zeros_like(scale, dtype=stat_dtype)
     ones = torch.ones_like(scale, dtype=stat_dtype)
     return F.batch_norm(input, zeros, ones, scale.to(stat_dtype), shift.to(stat_dtype), False, 0.0, 0.0)
