@@ -214,7 +214,8 @@ def combine_moments(count: Tensor, moments: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class _BackwardLink:
-    """Per-channel statistics that ``_Normalize`` fills in forward and ``_LocalMoments`` reads in backward."""
+    """Global per-channel statistics: :func:`sync_batch_norm` fills them after the forward collective and
+    ``_LocalMoments.backward`` reads them (they are known only after ``_LocalMoments.forward`` ran)."""
 
     __slots__ = ("count", "mean", "invstd", "weight")
 
