@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .comm import (
@@ -104,6 +104,21 @@ class SyncBatchNorm(_BatchNorm):
         # Process groups on which the members were found to agree on num_features and dtype (shared by
         # replicas, like _transport_record).
         self._verified_groups: set[Any] = set()
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group: Optional[Any] = None) -> nn.Module:
+        """Alias of :func:`syncbn_dist.convert_model`, spelled like ``torch.nn.SyncBatchNorm``'s classmethod.
+
+        Args:
+            module: a model, a single BatchNorm layer, or an ``nn.DataParallel``.
+            process_group: the group the converted layers synchronize over; None means the world group.
+
+        Returns:
+            What :func:`syncbn_dist.convert_model` returns.
+        """
+        from .convert import convert_model  # convert.py imports this module
+
+        return convert_model(module, process_group)
 
     @property
     def last_transport(self) -> Optional[str]:

@@ -129,6 +129,19 @@ def test_convert_single_layer_returns_converted_layer(cls: type[nn.Module]) -> N
     assert converted.momentum is None
 
 
+def test_convert_sync_batchnorm_classmethod_is_convert_model() -> None:
+    # The spelling of torch.nn.SyncBatchNorm.convert_sync_batchnorm, for code written against it.
+    group = object()
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm1d(4)))
+    weight = model[1].weight
+    converted = SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
+    assert converted is model
+    assert type(model[1]) is SynchronizedBatchNorm2d and model[1].weight is weight
+    assert type(model[2][0]) is _SYNC_OF[nn.BatchNorm1d]
+    assert model[1].process_group is group and model[2][0].process_group is group
+    assert type(SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm3d(2))) is _SYNC_OF[nn.BatchNorm3d]
+
+
 def test_convert_leaves_relatives_alone() -> None:
     for layer in [
         nn.InstanceNorm1d(3, track_running_stats=True),
