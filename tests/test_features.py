@@ -567,14 +567,15 @@ def _block(momentum: float | None, bn_cls: type[nn.Module] = SynchronizedBatchNo
 
 
 class _Checkpointed(nn.Module):
-    """Runs ``block`` under non-reentrant activation checkpointing."""
+    """Runs ``block`` under activation checkpointing (non-reentrant unless asked)."""
 
-    def __init__(self, block: nn.Module) -> None:
+    def __init__(self, block: nn.Module, use_reentrant: bool = False) -> None:
         super().__init__()
         self.block = block
+        self.use_reentrant = use_reentrant
 
     def forward(self, x: Tensor) -> Tensor:
-        return checkpoint(self.block, x, use_reentrant=False)
+        return checkpoint(self.block, x, use_reentrant=self.use_reentrant)
 
 
 def _checkpoint_steps(
@@ -661,12 +662,13 @@ def _checkpoint_batches(sizes: Sequence[int]) -> list[tuple[Tensor, Tensor]]:
     return [_global_data((n, C, 4, 5), step) for step, n in enumerate(sizes)]
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_checkpoint_local_updates_running_stats_once_and_matches(momentum: float | None) -> None:
+def test_checkpoint_local_updates_running_stats_once_and_matches(momentum: float | None, use_reentrant: bool) -> None:
     block = _block(momentum)
     plain_block = copy.deepcopy(block)
     batches = _checkpoint_batches(LOCAL_BATCHES + [4])
-    checkpointed = _checkpoint_steps(block, _Checkpointed(block), batches)
+    checkpointed = _checkpoint_steps(block, _Checkpointed(block, use_reentrant), batches)
     plain = _checkpoint_steps(plain_block, plain_block, batches)
     _check_checkpoint([_wire(checkpointed)], [_wire(plain)], momentum, "local")
 
