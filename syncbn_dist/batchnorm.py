@@ -166,6 +166,19 @@ class SyncBatchNorm(_BatchNorm):
         return inner
 
     def forward(self, input: Tensor) -> Tensor:
+        """Normalize ``input`` (N, C, *) with local, process-group or replica-wide statistics.
+
+        Returns:
+            Tensor of the input's shape, dtype and memory format.
+
+        Raises:
+            ValueError: wrong input rank, ``C != num_features``, a global count of 1 value per channel in
+                training, or a ``process_group`` this rank is not a member of.
+            TypeError: a non-floating input.
+            LayerMismatchError: members of the group are at layers with different num_features or dtype
+                (or, in debug mode, at different layers or calls).
+            ReplicaSyncError: a DataParallel peer replica failed or did not arrive in ``replica_timeout``.
+        """
         self._check_input(input)
         transport = self._select_transport()
         self._transport_record[0] = "local" if transport is None else transport.name
