@@ -8,35 +8,24 @@ is built from a real (tiny) ``make compare`` run, never from hard-coded numbers.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import matplotlib.image
 import pytest
 import torch
+from launch_scripts import load_script
 from launcher import run_distributed
 from torch.utils.data import DistributedSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str, filename: str) -> ModuleType:
-    """A launch/ script as a module (launch/ is not a package: the library never imports from it)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / filename)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses and get_type_hints look the module up by name
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-train = _load("syncbn_launch_train", "train.py")
-compare = _load("syncbn_launch_compare", "compare.py")
+train = load_script("train.py")
+compare = load_script("compare.py")
 
 
 # ---------------------------------------------------------------------------------------------------------

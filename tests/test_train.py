@@ -8,18 +8,17 @@ through ``tests/launcher.py``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from launch_scripts import load_script
 from launcher import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,18 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NUM_TRAIN = 1797 - math.ceil(0.2 * 1797)
 
 
-def _load_train() -> ModuleType:
-    """launch/train.py as a module (launch/ is not a package: the library never imports from it)."""
-    name = "syncbn_launch_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses and get_type_hints look the module up by name
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-train = _load_train()
+train = load_script("train.py")
 
 
 def _yaml(tmp_path: Path, text: str) -> Path:
@@ -165,7 +153,7 @@ def test_main_fails_fast_before_any_process_group(
 
 
 def _check_worker(rank: int, world_size: int) -> list[str]:
-    module = _load_train()
+    module = load_script("train.py")
     torch.manual_seed(0)
     net = module.DigitsNet(module.ModelConfig(width=4))
     module.check_same_on_all_ranks(net)  # identical: passes

@@ -12,7 +12,6 @@ Reference results always come from an uninterrupted run of the same job with the
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -27,23 +26,13 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from launch_scripts import load_script
 from launcher import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_train() -> ModuleType:
-    """launch/train.py as a module (launch/ is not a package: the library never imports from it)."""
-    name = "syncbn_launch_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses and get_type_hints look the module up by name
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-train = _load_train()
+train = load_script("train.py")
 
 # Small and quick; the per-BatchNorm batch stays the shipped 16.
 QUICK = ["model.width=4", "train.epochs=2", "progress_bar=false"]
@@ -375,7 +364,7 @@ def _stop_one_rank_case(module: ModuleType, runtime: Any, root: str, signal_at: 
 
 
 def _stop_one_rank_worker(rank: int, world_size: int, root: str, signal_at: int) -> list[dict[str, Any]]:
-    module = _load_train()
+    module = load_script("train.py")
     runtime = module.Runtime(rank, world_size, torch.device("cpu"), True)
     # sync_bn false: plain BatchNorm, whose running statistics differ across ranks mid-epoch.
     return [_stop_one_rank_case(module, runtime, root, signal_at, sync_bn) for sync_bn in ("true", "false")]
