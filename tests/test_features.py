@@ -54,13 +54,7 @@ PRECISIONS: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype | None]] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread() -> Any:
-    """DataParallel replicas are threads already: one intra-op thread each keeps them off each other's cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 # ---------------------------------------------------------------------------------------------------------

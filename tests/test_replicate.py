@@ -73,13 +73,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 F32_ULP = 2.0**-24
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread() -> Any:
-    """The replicas are threads already: one intra-op thread each keeps them from oversubscribing the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _data(batch: int, tail: Sequence[int], *, mean: float = 0.0, seed: int = 0) -> Tensor:
