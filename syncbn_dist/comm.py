@@ -354,6 +354,8 @@ class SyncMaster:
         self.timeout = timeout
         self._queue: queue.Queue[Any] = queue.Queue()
         self._registry: dict[int, FutureResult] = {}
+        # Set once the master has run; the next registration then starts a new replication round.
+        self._activated = False
 
     @property
     def nr_slaves(self) -> int:
@@ -362,11 +364,19 @@ class SyncMaster:
     def register_slave(self, identifier: int) -> SlavePipe:
         """Register the replica with ``copy_id == identifier`` (> 0) and return its pipe.
 
+        As in the classic design, the first registration after the master has run starts a new replication
+        round: the previous round's slaves are forgotten, so one SyncMaster can serve every forward.
+
         Raises:
-            ValueError: if ``identifier`` is not positive (0 is the master) or is already registered.
+            ValueError: if ``identifier`` is not positive (0 is the master) or is already registered in
+                this round.
         """
         if identifier < 1:
             raise ValueError(f"expected a slave copy_id > 0 (got {identifier}); copy 0 is the master")
+        if self._activated:
+            self._activated = False
+            self._registry.clear()
+            self._queue = queue.Queue()
         if identifier in self._registry:
             raise ValueError(f"replica {identifier} is already registered with this SyncMaster")
         future = FutureResult()
@@ -380,6 +390,7 @@ class SyncMaster:
             ReplicaSyncError: if a slave does not arrive within ``timeout`` seconds or the run was aborted.
             Exception: whatever the callback raised (every slave receives it as a ReplicaSyncError).
         """
+        self._activated = True
         intermediates = [(0, master_msg)]
         for _ in range(self.nr_slaves):
             try:

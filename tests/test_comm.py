@@ -162,6 +162,20 @@ def test_master_runs_several_rounds_in_order() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_one_master_serves_a_new_replication_round_after_it_ran() -> None:
+    # The classic pattern: one SyncMaster per layer for the whole run; every forward re-registers the slaves.
+    master = SyncMaster(lambda items: [(c, sum(m for _, m in items)) for c, _ in items], timeout=LONG)
+    for round_ in range(3):
+        pipes = [master.register_slave(i) for i in (1, 2)]  # would raise "already registered" without a reset
+        assert master.nr_slaves == 2
+        slaves = [_start(lambda p=p, r=round_: p.run_slave(r + p.identifier)) for p in pipes]
+        assert master.run_master(round_) == 3 * round_ + 3
+        for thread in slaves:
+            thread.join()
+            assert thread.error is None and thread.result == 3 * round_ + 3
+
+
+@pytest.mark.timeout(60)
 def test_callback_error_reaches_the_master_and_every_slave() -> None:
     cause = RuntimeError("callback exploded")
 
