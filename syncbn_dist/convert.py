@@ -135,3 +135,20 @@ def revert_model(module: nn.Module) -> nn.Module:
         module.module = revert_model(module.module)
         return module
     return _swap_layers(module, _revert_layer)
+
+
+def _convert_sync_batchnorm(cls: type, module: nn.Module, process_group: Optional[Any] = None) -> nn.Module:
+    """Alias of :func:`syncbn_dist.convert_model`, spelled like ``torch.nn.SyncBatchNorm``'s classmethod.
+
+    Args:
+        module: a model, a single BatchNorm layer, or an ``nn.DataParallel``.
+        process_group: the group the converted layers synchronize over; None means the world group.
+
+    Returns:
+        What :func:`syncbn_dist.convert_model` returns.
+    """
+    return convert_model(module, process_group)
+
+
+# Attached here rather than defined in batchnorm.py, which would then import this module (an import cycle).
+SyncBatchNorm.convert_sync_batchnorm = classmethod(_convert_sync_batchnorm)  # type: ignore[attr-defined]

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+import threading
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from .comm import SyncMaster, run_replicas_in_threads
+from .comm.replica import ReplicaSyncError, SyncMaster
 
 __all__ = [
     "CallbackContext",
     "DataParallelWithCallback",
     "execute_replication_callbacks",
     "patch_replication_callback",
+    "run_replicas_in_threads",
 ]
 
 
@@ -246,3 +248,54 @@ def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
 
     data_parallel.replicate = new_replicate
     data_parallel.parallel_apply = new_parallel_apply
+
+
+def _cpu_autocast_state() -> tuple[bool, torch.dtype]:
+    try:
+        return torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+    except TypeError:  # torch < 2.4
+        return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+
+
+def run_replicas_in_threads(
+    replicas: Sequence[Callable[..., Any]],
+    inputs: Sequence[tuple[Any, ...]],
+    kwargs: Sequence[dict[str, Any]],
+    on_error: Callable[[BaseException], None],
+) -> list[Any]:
+    """Run ``replicas[i](*inputs[i], **kwargs[i])`` in one thread each and return the outputs in order.
+
+    Grad mode and CPU autocast state are carried into the threads, as ``torch.nn.parallel.parallel_apply``
+    does. When a replica raises, ``on_error`` is called at once (to wake peers blocked in an exchange),
+    every thread is joined, and the first error is re-raised in the caller.
+
+    Raises:
+        Exception: the first exception raised by a replica.
+    """
+    grad_enabled = torch.is_grad_enabled()
+    autocast_enabled, autocast_dtype = _cpu_autocast_state()
+    outputs: list[Any] = [None] * len(replicas)
+    errors: list[tuple[int, BaseException]] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        try:
+            with torch.set_grad_enabled(grad_enabled), torch.autocast(
+                "cpu", enabled=autocast_enabled, dtype=autocast_dtype
+            ):
+                outputs[i] = replicas[i](*inputs[i], **kwargs[i])
+        except BaseException as error:  # noqa: B036 - re-raised in the caller below
+            with lock:
+                errors.append((i, error))
+            on_error(error)
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(replicas))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        # Prefer the root cause over the ReplicaSyncErrors it triggered in the peers.
+        errors.sort(key=lambda pair: (isinstance(pair[1], ReplicaSyncError), pair[0]))
+        raise errors[0][1]
+    return outputs

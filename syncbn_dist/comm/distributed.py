@@ -1,0 +1,213 @@
+"""The torch.distributed transport: one coalesced, differentiable ``all_reduce`` per call, and group helpers.
+
+The only module of the package that calls collectives on a process group (the agreement check in
+:mod:`syncbn_dist.comm.agreement` gathers its records through it too).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd import Function
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from .agreement import verify_group_agreement
+
+__all__ = [
+    "DistributedTransport",
+    "all_reduce_mean_",
+    "broadcast_from_first_",
+    "distributed_transport",
+    "group_needs_sync",
+    "new_sync_groups",
+]
+
+
+def _flatten(tensors: Sequence[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflatten(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+    return [chunk.view_as(t) for chunk, t in zip(flat.split([t.numel() for t in like]), like)]
+
+
+class _AllReduceCoalesced(Function):
+    """Sum tensors over a process group with one ``all_reduce``; backward does the same for the gradients.
+
+    The adjoint of a sum-all_reduce is a sum-all_reduce of the gradients. Only the gradients of inputs that
+    require grad are sent, so the backward payload is as small as it can be (every rank agrees on which
+    inputs those are, since they run the same model).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.group = group
+        flat = _flatten(tensors)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        return tuple(_unflatten(flat, tensors))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
+        needed = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
+        result: list[Optional[Tensor]] = [None] * len(grads)
+        if needed:
+            flat = _flatten([grads[i] for i in needed]).contiguous()
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)
+            for i, chunk in zip(needed, _unflatten(flat, [grads[i] for i in needed])):
+                result[i] = chunk
+        return (None, *result)
+
+
+
+
+@torch.library.custom_op("syncbn_dist::ordered_all_reduce", mutates_args=())
+def ordered_all_reduce(tensor: Tensor, group_name: str) -> Tensor:
+    """The sum of ``tensor`` over the process group named ``group_name``, as a new tensor: the collective that
+    compiled graphs run.
+
+    A custom op with an ordered effect rather than a functional collective: the compiler must neither merge two
+    of them (identical constant payloads, e.g. the zeros of two empty shards, would be common subexpressions),
+    nor move one out of its graph (a backward collective whose input does not depend on the gradient, as on an
+    empty shard, would be hoisted into the forward graph), nor reorder them; any of those leaves the ranks
+    running different collectives.
+    """
+    result = tensor.clone()
+    dist.all_reduce(result, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
+    return result
+
+
+@ordered_all_reduce.register_fake
+def _(tensor: Tensor, group_name: str) -> Tensor:
+    return torch.empty_like(tensor)
+
+
+torch.library._register_effectful_op(ordered_all_reduce._opoverload, torch.library.EffectType.ORDERED)
+
+
+class DistributedTransport:
+    """Sums over the members of a ``torch.distributed`` process group with one ``all_reduce`` per call.
+
+    Args:
+        process_group: the group to reduce over; None means the default (world) group.
+
+    The backend follows the tensors: gloo for CPU tensors, nccl for CUDA tensors.
+    """
+
+    name = "distributed"
+
+    def __init__(self, process_group: Optional[Any] = None) -> None:
+        self.process_group = process_group
+
+    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        return list(_AllReduceCoalesced.apply(self.process_group, *tensors))
+
+    def sum_(self, tensor: Tensor) -> Tensor:
+        """Sum ``tensor`` over the group with one ``all_reduce`` and return the sum (not differentiable).
+
+        Eager mode reduces in place (one ``c10d.allreduce_``); under ``torch.compile`` it is
+        :func:`ordered_all_reduce`, which the graph keeps in program order.
+        Called inside the synchronized batch-norm autograd Function, forward and backward.
+        """
+        if torch.compiler.is_compiling():
+            group = dist.group.WORLD if self.process_group is None else self.process_group
+            return torch.ops.syncbn_dist.ordered_all_reduce(tensor, group.group_name)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
+        return tensor
+
+    def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None:
+        """Raise :class:`LayerMismatchError` on every member unless all members present the same ``key``.
+
+        Without debug mode the check runs once per (process group, caller): ``verified`` remembers the
+        groups already checked, so the steady state costs nothing. In debug mode it runs at every call,
+        prefixed with this group's call number, so a member that skipped or reordered a layer is caught
+        at the next call. Every member compares the same gathered records, so all reach the same verdict.
+
+        Args:
+            key: what must agree (e.g. num_features and dtype), short text.
+            description: names the caller in the error (e.g. the layer's qualified name).
+            verified: the caller's record of groups already checked.
+        """
+        verify_group_agreement(self.process_group, key, description, verified)
+
+
+def distributed_transport(process_group: Optional[Any]) -> Optional[DistributedTransport]:
+    """The transport for ``process_group`` if synchronization over it is needed, else None.
+
+    Args:
+        process_group: a group from ``torch.distributed.new_group`` or None for the world group.
+
+    Returns:
+        None when ``torch.distributed`` is unavailable or not initialized, or the group has one member.
+
+    Raises:
+        ValueError: if this rank is not a member of ``process_group``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = dist.group.WORLD if process_group is None else process_group
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        raise ValueError(
+            f"rank {dist.get_rank()} is not a member of the process_group given to SyncBatchNorm; build the "
+            "layer with a group that contains this rank (e.g. the one syncbn_dist.new_sync_groups returns)"
+        )
+    if dist.get_world_size(group) <= 1:
+        return None
+    return DistributedTransport(process_group)
+
+
+def new_sync_groups(group_size: int) -> Any:
+    """Split the world into process groups of ``group_size`` consecutive ranks and return this rank's.
+
+    Pass the result to ``convert_model(model, process_group=...)`` to synchronize BatchNorm within each
+    group of k ranks (e.g. within a node) instead of over the whole world. Every rank must call this, in
+    the same order relative to other group creations, since creating a group is collective. Built on
+    ``torch.distributed.new_subgroups``.
+
+    Args:
+        group_size: ranks per group; must divide the world size.
+
+    Returns:
+        The process group (ranks ``[r - r % k, r - r % k + k)`` for rank r) this rank belongs to.
+
+    Raises:
+        RuntimeError: if ``torch.distributed`` is not initialized.
+        ValueError: if ``group_size`` is not a positive integer or does not divide the world size (raised
+            on every rank before any group is created, since all ranks see the same world size).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("new_sync_groups needs an initialized default process group (init_process_group)")
+    world_size = dist.get_world_size()
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"expected group_size to be a positive integer (got {group_size!r})")
+    if world_size % group_size != 0:
+        raise ValueError(
+            f"world_size {world_size} is not divisible by group_size {group_size}; choose a divisor of "
+            f"{world_size}"
+        )
+    group, _ = dist.new_subgroups(group_size)
+    return group
+
+
+def all_reduce_mean_(tensor: Tensor, process_group: Optional[Any] = None) -> Tensor:
+    """Replace ``tensor`` in place by its mean over the members of ``process_group`` (one collective)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=process_group)
+    return tensor.div_(dist.get_world_size(process_group))
+
+
+def broadcast_from_first_(tensor: Tensor, process_group: Optional[Any] = None) -> Tensor:
+    """Replace ``tensor`` in place by the first member's copy (group rank 0; one collective)."""
+    source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+    dist.broadcast(tensor, src=source, group=process_group)
+    return tensor
+
+
+def group_needs_sync(process_group: Optional[Any] = None) -> bool:
+    """True if ``torch.distributed`` is initialized and ``process_group`` has more than one member.
+
+    Raises:
+        ValueError: if this rank is not a member of ``process_group``.
+    """
+    return distributed_transport(process_group) is not None
