@@ -1,6 +1,12 @@
 """syncbn_dist: exact synchronized BatchNorm over torch.distributed, nn.DataParallel replicas, or both."""
 
-from .batchnorm import SyncBatchNorm, SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
+from .batchnorm import (
+    SyncBatchNorm,
+    SynchronizedBatchNorm1d,
+    SynchronizedBatchNorm2d,
+    SynchronizedBatchNorm3d,
+    set_sbn_eps_mode,
+)
 from .comm import LayerMismatchError, ReplicaSyncError, is_debug_enabled, new_sync_groups, set_debug
 from .convert import convert_model, revert_model
 from .replicate import DataParallelWithCallback, execute_replication_callbacks, patch_replication_callback
@@ -21,5 +27,6 @@ __all__ = [
     "patch_replication_callback",
     "revert_model",
     "set_debug",
+    "set_sbn_eps_mode",
     "sync_running_stats",
 ]

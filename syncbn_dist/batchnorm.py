@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .comm import (
@@ -16,11 +16,65 @@ from .comm import (
     SlavePipe,
     SyncMaster,
     distributed_transport,
+    is_debug_enabled,
     new_sync_master,
 )
+from .comm.agreement import verify_agreement_while_tracing
 from .functions import Transport, sync_batch_norm
 
-__all__ = ["SyncBatchNorm", "SynchronizedBatchNorm1d", "SynchronizedBatchNorm2d", "SynchronizedBatchNorm3d"]
+__all__ = [
+    "SyncBatchNorm",
+    "SynchronizedBatchNorm1d",
+    "SynchronizedBatchNorm2d",
+    "SynchronizedBatchNorm3d",
+    "set_sbn_eps_mode",
+]
+
+# The process-wide default of SyncBatchNorm.eps_mode; see set_sbn_eps_mode.
+_EPS_MODE = "plus"
+# The classic library spells "clip" as "clamp".
+_EPS_MODE_ALIASES = {"plus": "plus", "clip": "clip", "clamp": "clip"}
+
+
+def set_sbn_eps_mode(mode: str) -> None:
+    """Set how every SyncBatchNorm without its own ``eps_mode`` applies ``eps`` to the batch variance in training.
+
+    The classic Synchronized-BatchNorm-PyTorch API, with the same global scope. ``"plus"`` (the default)
+    normalizes by ``sqrt(var + eps)``, as ``nn.BatchNorm`` does; ``"clip"`` (spelled ``"clamp"`` in the classic
+    library, whose default it is) by ``sqrt(max(var, eps))``, for reproducing models trained with it. Unlike the
+    classic library, "clip" applies to every training forward, synchronized or not, so a model gives the same
+    result on one replica as on many. Eval mode always uses ``running_var + eps``, as both libraries do.
+    A layer's own ``eps_mode`` attribute, when not None, overrides this default.
+
+    Args:
+        mode: ``"plus"``, ``"clip"`` or ``"clamp"`` (= ``"clip"``).
+
+    Raises:
+        ValueError: for any other mode.
+    """
+    global _EPS_MODE
+    _EPS_MODE = _resolve_eps_mode(mode)
+
+
+def _resolve_eps_mode(mode: str) -> str:
+    if mode not in _EPS_MODE_ALIASES:
+        raise ValueError(f"expected eps mode 'plus', 'clip' or 'clamp' (got {mode!r})")
+    return _EPS_MODE_ALIASES[mode]
+
+
+class _SoloTransport:
+    """The transport of a group of one: the sum over the members is the tensor itself (no communication)."""
+
+    name = "local"
+
+    def sum_(self, tensor: Tensor) -> Tensor:
+        return tensor
+
+    def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None:
+        return None
+
+
+_SOLO = _SoloTransport()
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -83,6 +137,8 @@ class SyncBatchNorm(_BatchNorm):
 
     # Seconds a DataParallel replica waits for its peers at this layer before raising ReplicaSyncError.
     replica_timeout: Optional[float] = DEFAULT_REPLICA_TIMEOUT
+    # "plus", "clip" ("clamp"), or None for the process-wide default of set_sbn_eps_mode.
+    eps_mode: Optional[str] = None
 
     def __init__(
         self,
@@ -104,21 +160,6 @@ class SyncBatchNorm(_BatchNorm):
         # Process groups on which the members were found to agree on num_features and dtype (shared by
         # replicas, like _transport_record).
         self._verified_groups: set[Any] = set()
-
-    @classmethod
-    def convert_sync_batchnorm(cls, module: nn.Module, process_group: Optional[Any] = None) -> nn.Module:
-        """Alias of :func:`syncbn_dist.convert_model`, spelled like ``torch.nn.SyncBatchNorm``'s classmethod.
-
-        Args:
-            module: a model, a single BatchNorm layer, or an ``nn.DataParallel``.
-            process_group: the group the converted layers synchronize over; None means the world group.
-
-        Returns:
-            What :func:`syncbn_dist.convert_model` returns.
-        """
-        from .convert import convert_model  # convert.py imports this module
-
-        return convert_model(module, process_group)
 
     @property
     def last_transport(self) -> Optional[str]:
@@ -186,26 +227,37 @@ class SyncBatchNorm(_BatchNorm):
             # No buffer update, so a checkpoint recomputation needs no special care; skipping the check keeps
             # eval mode free of graph breaks under torch.compile (dynamo cannot trace _is_recomputing).
             return super().forward(input)
-        if _is_recomputing():
+        if transport is None and self._eps_mode() == "clip":
+            transport = _SOLO  # F.batch_norm knows only var + eps: the same math, with no communication
+        if not torch.compiler.is_compiling() and _is_recomputing():
             return self._recompute_forward(input, transport)
         if transport is None:
             return super().forward(input)
+        if self._replica_exchange is not None or is_debug_enabled():
+            return self._eager_sync_forward(input, transport)
         return self._sync_forward(input, transport)
 
-    @torch.compiler.disable
+    def _eps_mode(self) -> str:
+        return _EPS_MODE if self.eps_mode is None else _resolve_eps_mode(self.eps_mode)
+
     def _sync_forward(self, input: Tensor, transport: Transport) -> Tensor:
-        # Outside torch.compile graphs: the collective, the host-side count check and the Python-level
-        # bookkeeping would break the graph anyway; the local path (F.batch_norm) compiles normally.
-        transport.verify_agreement(
-            f"num_features={self.num_features} dtype={input.dtype}", self._describe(), self._verified_groups
-        )
+        """The synchronized training forward; ``torch.compile`` traces it whole on the distributed transport.
+
+        Under compilation the agreement check runs once, while the graph is traced (every member traces its first
+        call at the same layer, so all of them take part); see :func:`syncbn_dist.comm.agreement`.
+        """
+        key = f"num_features={self.num_features} dtype={input.dtype}"
+        if torch.compiler.is_compiling():
+            verify_agreement_while_tracing(transport.process_group, key, self._describe(), id(self))
+        else:
+            transport.verify_agreement(key, self._describe(), self._verified_groups)
         # DataParallel slaves leave the buffers to the master, whose buffers are the original module's.
         owns_buffers = not isinstance(self._replica_exchange, SlavePipe)
         track = self.track_running_stats and self.running_mean is not None and owns_buffers
         momentum = 0.0
         if track:
             self.num_batches_tracked.add_(1)
-            momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            momentum = self._momentum_factor()
         if self._replica_exchange is not None:
             transport = _Recording(transport, self._replay_stash)
         return sync_batch_norm(
@@ -217,7 +269,26 @@ class SyncBatchNorm(_BatchNorm):
             momentum,
             self.eps,
             transport,
+            self._eps_mode(),
         )
+
+    def _momentum_factor(self) -> Union[float, Tensor]:
+        """``momentum``, or for a cumulative average (momentum None) ``1 / num_batches_tracked``.
+
+        The cumulative factor is a host float in eager mode and a 0-dim tensor under ``torch.compile`` (reading
+        the counter on the host would end the graph).
+        """
+        if self.momentum is not None:
+            return self.momentum
+        if torch.compiler.is_compiling():
+            return 1.0 / self.num_batches_tracked
+        return 1.0 / float(self.num_batches_tracked)
+
+    @torch.compiler.disable
+    def _eager_sync_forward(self, input: Tensor, transport: Transport) -> Tensor:
+        # DataParallel replicas (threads exchanging Python objects) and debug mode (a record gathered and compared
+        # before every collective) run eagerly: under torch.compile each such layer is one graph break.
+        return self._sync_forward(input, transport)
 
     @torch.compiler.disable
     def _recompute_forward(self, input: Tensor, transport: Optional[Transport]) -> Tensor:
@@ -230,7 +301,7 @@ class SyncBatchNorm(_BatchNorm):
         replicas, whose backward runs in one thread where no exchange is possible, replay the totals
         recorded in the original forward.
         """
-        if transport is None:
+        if transport is None:  # plain nn.BatchNorm ("plus" mode, no peers)
             if not (self.training and self.track_running_stats and self.running_mean is not None):
                 return super().forward(input)  # no buffer update happens on this path anyway
             # Throw-away copies keep the buffers untouched while saving the same tensors for backward as
@@ -240,7 +311,7 @@ class SyncBatchNorm(_BatchNorm):
             )
         if self._replica_exchange is not None:
             transport = _Replay(transport.name, self._replay_stash)
-        return sync_batch_norm(input, self.weight, self.bias, None, None, 0.0, self.eps, transport)
+        return sync_batch_norm(input, self.weight, self.bias, None, None, 0.0, self.eps, transport, self._eps_mode())
 
     def _describe(self) -> str:
         name = self.__dict__.get("_qualified_name") or "<unnamed>"

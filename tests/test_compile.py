@@ -1,0 +1,267 @@
+"""torch.compile of the synchronized path over real gloo process groups.
+
+- ``torch.compile(model, fullgraph=True)`` trains a converted model over a process group with the aot_eager and
+  inductor backends: every step equals eager mode (outputs, input and parameter gradients, running statistics,
+  num_batches_tracked) with uneven and empty shards, momentum=None, channels_last input and bfloat16 autocast.
+- ``torch.compile(DistributedDataParallel(model))``: no graph break beyond those DDP causes with plain BatchNorm.
+- The safety features under compile: the agreement check (``LayerMismatchError`` on every rank, at compile time),
+  the global-count-1 error on every rank, debug mode (runs the layer eagerly: one graph break per layer), and
+  activation checkpointing (refused by dynamo with fullgraph=True; otherwise eager, with one running-stats update).
+- A compiled job exits 0 under torchrun, every time.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launcher import run_distributed
+from torch import Tensor, nn
+
+import syncbn_dist
+
+C = 4
+# Per-rank batch sizes of each step: uneven, then an empty rank (the last rank), then even.
+STEPS = [[4, 3, 2], [3, 1, 0], [2, 2, 2]]
+
+
+def _model(channels_last: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, C, 3, padding=1),
+        nn.BatchNorm2d(C),
+        nn.ReLU(),
+        nn.Conv2d(C, C, 1),
+        nn.BatchNorm2d(C, momentum=None),  # cumulative average: 1 / num_batches_tracked
+        nn.Flatten(),
+        nn.Linear(C * 25, C),
+        nn.BatchNorm1d(C),
+    )
+    model = syncbn_dist.convert_model(model)
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def _batch(rank: int, step: int, sizes: Sequence[int], channels_last: bool) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(sizes[rank], 3, 5, 5, generator=gen) * 2 + 1
+    dy = torch.randn(sizes[rank], C, generator=gen)
+    return (x.contiguous(memory_format=torch.channels_last) if channels_last else x), dy
+
+
+def _train(model: nn.Module, forward: Any, rank: int, world_size: int, variant: str) -> list[dict[str, Tensor]]:
+    channels_last = variant == "channels_last"
+    records = []
+    for step, sizes in enumerate(STEPS):
+        x, dy = _batch(rank, step, sizes[:world_size], channels_last)
+        model.zero_grad(set_to_none=True)
+        x.requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "bfloat16"):
+            y = forward(x)
+        y.float().backward(dy)
+        record = {"y": y.detach().float(), "dx": x.grad.clone()}
+        record.update({f"grad {n}": p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        record.update({n: b.clone() for n, b in model.named_buffers()})
+        records.append(record)
+    return records
+
+
+def _worker_compiled_equals_eager(rank: int, world_size: int, backend: str, variants: Sequence[str]) -> dict:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    results = {}
+    for variant in variants:
+        eager = _model(channels_last=variant == "channels_last")
+        compiled_model = copy.deepcopy(eager)
+        compiled = torch.compile(compiled_model, backend=backend, fullgraph=True, dynamic=False)
+        results[variant] = (
+            _train(compiled_model, compiled, rank, world_size, variant),
+            _train(eager, eager, rank, world_size, variant),
+        )
+    results["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return results
+
+
+def _check_equal(results: Sequence[dict], variants: Sequence[str], backend: str) -> None:
+    for rank, result in enumerate(results):
+        assert result["graph_breaks"] == 0, f"rank {rank}: {result['graph_breaks']} graph breaks"
+        for variant in variants:
+            compiled, eager = result[variant]
+            for step, (c, e) in enumerate(zip(compiled, eager)):
+                assert c.keys() == e.keys()
+                for key in c:
+                    what = f"{backend} {variant} rank {rank} step {step} {key}"
+                    if key.endswith("num_batches_tracked"):
+                        assert torch.equal(c[key], e[key]), what
+                        continue
+                    # Compiled graphs reorder and fuse float32 (bfloat16 under autocast) arithmetic: a few ulps of
+                    # O(1) values; parameter gradients are sums over the global batch (tens to hundreds of O(1)
+                    # products), so they get a relative tolerance as well; bfloat16 outputs carry 8 bits.
+                    tol = {"rtol": 1e-5, "atol": 1e-5}
+                    if key.startswith("grad "):
+                        tol = {"rtol": 1e-4, "atol": 1e-4}
+                    if variant == "bfloat16":
+                        tol = {"rtol": 1e-2, "atol": 1e-2}
+                    torch.testing.assert_close(c[key], e[key], **tol, msg=lambda m, w=what: f"{w}: {m}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fullgraph_aot_eager_equals_eager(world_size: int) -> None:
+    variants = ["float32", "channels_last", "bfloat16"]
+    results = run_distributed(_worker_compiled_equals_eager, world_size, "aot_eager", variants, timeout=280)
+    _check_equal(results, variants, "aot_eager")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.skipif(not any(shutil.which(cc) for cc in ("g++", "c++")), reason="inductor needs a C++ compiler")
+def test_fullgraph_inductor_equals_eager() -> None:
+    results = run_distributed(_worker_compiled_equals_eager, 2, "inductor", ["float32"], timeout=280)
+    _check_equal(results, ["float32"], "inductor")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DDP graph breaks, and the safety features under compile.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _ddp_graph_breaks(convert: bool) -> int:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, C, 3), nn.BatchNorm2d(C), nn.ReLU(), nn.Conv2d(C, C, 1), nn.BatchNorm2d(C))
+    if convert:
+        model = syncbn_dist.convert_model(model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    compiled = torch.compile(ddp, backend="aot_eager")
+    for step in range(2):
+        compiled(torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(step))).sum().backward()
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+class _CheckpointedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, C, 3)
+        self.bn = syncbn_dist.SynchronizedBatchNorm2d(C)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(lambda t: self.bn(self.conv(t)).relu(), x, use_reentrant=False)
+
+
+def _error_chain(error: BaseException) -> list[BaseException]:
+    chain = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def _worker_safety(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"ddp": (_ddp_graph_breaks(False), _ddp_graph_breaks(True))}
+
+    # The agreement check: rank 1's layer has other channels (the collectives would mismatch and abort gloo).
+    torch._dynamo.reset()
+    channels = C if rank == 0 else C + 2
+    layer = syncbn_dist.SynchronizedBatchNorm1d(channels)
+    try:
+        torch.compile(layer, backend="aot_eager", fullgraph=True)(torch.randn(3, channels))
+        out["mismatch"] = None
+    except Exception as error:  # noqa: BLE001 - the chain is inspected below
+        out["mismatch"] = [(type(e).__name__, str(e)) for e in _error_chain(error)]
+
+    # A global batch of one value per channel: rank 0 holds one row, the others none.
+    torch._dynamo.reset()
+    layer = syncbn_dist.SynchronizedBatchNorm1d(C)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    compiled(torch.randn(3, C))  # a valid step first
+    try:
+        compiled(torch.randn(1 if rank == 0 else 0, C))
+        out["count_one"] = None
+    except Exception as error:  # noqa: BLE001
+        out["count_one"] = [(type(e).__name__, str(e)) for e in _error_chain(error)]
+
+    # Activation checkpointing: with fullgraph=True dynamo refuses the buffer update inside the checkpoint region;
+    # without it the region falls back to eager, where the running statistics are updated once, not twice.
+    out["checkpoint"] = {}
+    for fullgraph in (True, False):
+        torch._dynamo.reset()
+        block = _CheckpointedBlock()
+        try:
+            torch.compile(block, backend="aot_eager", fullgraph=fullgraph)(torch.randn(2, 3, 5, 5)).sum().backward()
+            out["checkpoint"][fullgraph] = int(block.bn.num_batches_tracked)
+        except Exception as error:  # noqa: BLE001
+            out["checkpoint"][fullgraph] = [(type(e).__name__, str(e)) for e in _error_chain(error)]
+
+    # Debug mode: the layer runs eagerly (a graph break per synchronized layer) and still checks every call.
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    syncbn_dist.set_debug(True)
+    try:
+        model = _model()
+        eager = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="aot_eager")
+        x, _ = _batch(rank, 0, STEPS[0], False)
+        torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)
+        out["debug_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+    finally:
+        syncbn_dist.set_debug(False)
+    return out
+
+
+@pytest.mark.distributed
+def test_safety_features_under_compile() -> None:
+    results = run_distributed(_worker_safety, 2, timeout=280)
+    for rank, r in enumerate(results):
+        plain, converted = r["ddp"]
+        assert converted == plain, f"rank {rank}: DDP + syncbn_dist {converted} graph breaks, plain BN {plain}"
+        assert r["mismatch"] is not None, f"rank {rank}: a layer mismatch compiled"
+        assert any(name == "LayerMismatchError" for name, _ in r["mismatch"]), r["mismatch"]
+        assert any("num_features=4" in text and "num_features=6" in text for _, text in r["mismatch"]), r["mismatch"]
+        assert r["count_one"] is not None, f"rank {rank}: a global count of 1 did not raise"
+        assert any("Expected more than 1 value per channel" in text for _, text in r["count_one"]), r["count_one"]
+        assert isinstance(r["checkpoint"][True], list), f"rank {rank}: fullgraph checkpointing compiled"
+        assert any("side effect" in text for _, text in r["checkpoint"][True]), r["checkpoint"][True]
+        assert r["checkpoint"][False] == 1, f"rank {rank}: num_batches_tracked {r['checkpoint'][False]}, expected 1"
+        assert r["debug_breaks"] >= 3, f"rank {rank}: debug mode should run each synchronized layer eagerly"
+
+
+_JOB = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist, torch.nn as nn
+    import syncbn_dist
+
+    dist.init_process_group("gloo")
+    try:
+        model = syncbn_dist.convert_model(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
+        model = nn.parallel.DistributedDataParallel(model)
+        compiled = torch.compile(model, backend="{backend}")
+        for step in range(2):
+            compiled(torch.randn(2 + dist.get_rank(), 3, 6, 6)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_job_exits_zero_under_torchrun(tmp_path: Path, backend: str) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(_JOB.format(backend=backend))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    env["OMP_NUM_THREADS"] = "1"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    for attempt in range(3 if backend == "aot_eager" else 1):
+        done = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, f"attempt {attempt}: exit {done.returncode}\n{done.stderr[-3000:]}"

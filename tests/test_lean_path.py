@@ -1,0 +1,191 @@
+"""The synchronized path's host cost and the eps modes.
+
+- The op budget: one synchronized layer (world size 2 over gloo, steady state) dispatches at most 30 aten ops for
+  forward + backward, collectives and views included, with exactly one all_reduce per direction.
+- ``set_sbn_eps_mode`` / ``SyncBatchNorm.eps_mode``: "clip" normalizes by ``sqrt(max(var, eps))`` (the classic
+  library's "clamp"), on the local, DataParallel and distributed paths, checked against a float64 reference written
+  out by hand (outputs, input and parameter gradients, running statistics), with a channel whose variance is below
+  eps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+from launcher import run_distributed
+from op_counting import OpCounter
+from torch import Tensor, nn
+
+import syncbn_dist
+from syncbn_dist import DataParallelWithCallback, SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, set_sbn_eps_mode
+
+OP_BUDGET = 30
+EPS = 1e-3
+
+
+@pytest.fixture
+def clip_mode() -> Iterator[None]:
+    set_sbn_eps_mode("clip")
+    yield
+    set_sbn_eps_mode("plus")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The float64 reference for eps_mode "clip", written out by hand.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _clip_reference(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Batch norm over dims (0, 2, ...) with ``invstd = rsqrt(max(var, eps))``: output and unbiased variance."""
+    dims = [0] + list(range(2, x.dim()))
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    mean = x.mean(dims, keepdim=True)
+    var = ((x - mean) ** 2).mean(dims, keepdim=True)
+    out = (x - mean) * torch.rsqrt(torch.clamp(var, min=eps)) * weight.view(shape) + bias.view(shape)
+    count = x.numel() // x.size(1)
+    return out, var.flatten() * count / (count - 1)
+
+
+def _data(shape: Sequence[int], seed: int) -> Tensor:
+    """Float32 data whose channel 0 has a variance far below EPS (so it is clipped) and the others O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=gen) + 3.0
+    x[:, 0] = 0.5 + 1e-3 * x[:, 0]
+    return x
+
+
+def _check_clip(
+    outputs: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor], dys: Sequence[Tensor],
+    layer: nn.Module, initial: dict[str, Tensor], what: str,
+) -> None:
+    x = torch.cat([t.double() for t in inputs]).requires_grad_()
+    weight = initial["weight"].double().requires_grad_()
+    bias = initial["bias"].double().requires_grad_()
+    ref, unbiased_var = _clip_reference(x, weight, bias, EPS)
+    ref.backward(torch.cat([d.double() for d in dys]))
+    # float32 data and arithmetic on O(1) values (the clipped channel's x - mean is ~1e-3): float32 rounding.
+    torch.testing.assert_close(torch.cat(outputs).double(), ref.detach(), rtol=1e-5, atol=1e-5, msg=what)
+    torch.testing.assert_close(torch.cat(grads).double(), x.grad, rtol=1e-4, atol=1e-5, msg=what)
+    # Parameter gradients are sums over the global batch (tens of O(1) products): float32 sums.
+    torch.testing.assert_close(layer.weight.grad.double(), weight.grad, rtol=1e-4, atol=1e-4, msg=what)
+    torch.testing.assert_close(layer.bias.grad.double(), bias.grad, rtol=1e-4, atol=1e-4, msg=what)
+    expected_mean = initial["running_mean"].double() * 0.9 + 0.1 * x.detach().mean([0] + list(range(2, x.dim())))
+    expected_var = initial["running_var"].double() * 0.9 + 0.1 * unbiased_var.detach()
+    torch.testing.assert_close(layer.running_mean.double(), expected_mean, rtol=1e-6, atol=1e-6, msg=what)
+    torch.testing.assert_close(layer.running_var.double(), expected_var, rtol=1e-5, atol=1e-9, msg=what)
+
+
+def _initial(layer: nn.Module) -> dict[str, Tensor]:
+    with torch.no_grad():
+        layer.weight.copy_(torch.linspace(0.5, 1.5, layer.num_features))
+        layer.bias.copy_(torch.linspace(-0.2, 0.2, layer.num_features))
+    return {k: v.detach().clone() for k, v in layer.state_dict().items()}
+
+
+@pytest.mark.parametrize("shape", [(6, 4), (5, 4, 3, 2)])
+def test_clip_mode_local_path_matches_hand_written_float64(clip_mode: None, shape: tuple[int, ...]) -> None:
+    layer = (SynchronizedBatchNorm1d if len(shape) == 2 else SynchronizedBatchNorm2d)(4, eps=EPS)
+    initial = _initial(layer)
+    x = _data(shape, seed=1).requires_grad_()
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    out = layer(x)
+    out.backward(dy)
+    assert layer.last_transport == "local"
+    _check_clip([out.detach()], [x.grad], [x.detach()], [dy], layer, initial, f"local {shape}")
+
+
+def test_clip_mode_differs_from_plus_where_the_variance_is_below_eps() -> None:
+    """The per-layer attribute overrides the global default, and the modes really differ on a clipped channel."""
+    x = _data((6, 4, 3), seed=3)
+    plus, clip = SynchronizedBatchNorm1d(4, eps=EPS), SynchronizedBatchNorm1d(4, eps=EPS)
+    clip.eps_mode = "clamp"  # the classic library's spelling
+    y_plus, y_clip = plus(x), clip(x)
+    # Channel 0 (variance ~1e-6 < eps): sqrt(var + eps) vs sqrt(eps) differ by ~0.05 %; others agree to rounding.
+    assert not torch.allclose(y_plus[:, 0], y_clip[:, 0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(y_plus[:, 1:], y_clip[:, 1:], rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(y_plus, nn.functional.batch_norm(x, None, None, plus.weight, plus.bias, True, 0.1, EPS))
+
+
+def test_set_sbn_eps_mode_rejects_unknown_modes() -> None:
+    with pytest.raises(ValueError, match="expected eps mode 'plus', 'clip' or 'clamp'"):
+        set_sbn_eps_mode("max")
+    layer = SynchronizedBatchNorm1d(3)
+    layer.eps_mode = "sqrt"
+    with pytest.raises(ValueError, match="got 'sqrt'"):
+        layer(torch.randn(4, 3))
+
+
+def test_clip_mode_dataparallel_matches_hand_written_float64(clip_mode: None, one_intra_op_thread: None) -> None:
+    layer = SynchronizedBatchNorm2d(4, eps=EPS)
+    initial = _initial(layer)
+    model = DataParallelWithCallback(layer, cpu_replicas=2)
+    x = _data((5, 4, 3, 2), seed=4).requires_grad_()
+    dy = torch.randn(5, 4, 3, 2, generator=torch.Generator().manual_seed(5))
+    out = model(x)
+    out.backward(dy)
+    assert layer.last_transport == "dataparallel"
+    _check_clip([out.detach()], [x.grad], [x.detach()], [dy], layer, initial, "dataparallel")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gloo: the op budget, and "clip" over a process group.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _count_layer_ops(shape: tuple[int, ...], rank: int) -> OpCounter:
+    layer = syncbn_dist.convert_model(nn.BatchNorm2d(shape[1]) if len(shape) == 4 else nn.BatchNorm1d(shape[1]))
+    gen = torch.Generator().manual_seed(rank)
+    leaf = torch.randn(shape, generator=gen, requires_grad=True)
+    x = leaf * 1.0  # a non-leaf input, as inside a network (no AccumulateGrad for it)
+    dy = torch.randn(shape, generator=gen)
+    params = [leaf, layer.weight, layer.bias]
+    for _ in range(2):  # the first call also runs the one-time agreement check
+        torch.autograd.grad(layer(x), params, dy, retain_graph=True)
+    with OpCounter() as counter:
+        torch.autograd.grad(layer(x), [x, layer.weight, layer.bias], dy, retain_graph=True)
+    assert layer.last_transport == "distributed"
+    return counter
+
+
+def _worker_lean(rank: int, world_size: int) -> dict[str, object]:
+    budgets = {}
+    for shape in [(8, 64, 14, 14), (256, 512)]:
+        counter = _count_layer_ops(shape, rank)
+        budgets[str(shape)] = (counter.total, counter.counts["c10d.allreduce_"], counter.histogram())
+    # "clip" over the process group: rank r holds rows [2r, 2r + 2 + r) of one global batch (uneven).
+    set_sbn_eps_mode("clip")
+    try:
+        layer = SynchronizedBatchNorm2d(4, eps=EPS)
+        initial = _initial(layer)
+        sizes = [2 + r for r in range(world_size)]
+        x_global = _data((sum(sizes), 4, 3, 2), seed=6)
+        dy_global = torch.randn(x_global.shape, generator=torch.Generator().manual_seed(7))
+        start = sum(sizes[:rank])
+        x = x_global[start : start + sizes[rank]].clone().requires_grad_()
+        out = layer(x)
+        out.backward(dy_global[start : start + sizes[rank]])
+        assert layer.last_transport == "distributed"
+        gathered: list[tuple[Tensor, Tensor]] = [None] * world_size  # type: ignore[list-item]
+        torch.distributed.all_gather_object(gathered, (out.detach(), x.grad))  # uneven sizes: gloo needs equal
+        outputs, grads = [o for o, _ in gathered], [g for _, g in gathered]
+        # Parameter gradients are local sums; their sum over ranks is the global one (what DDP averages).
+        for p in (layer.weight, layer.bias):
+            torch.distributed.all_reduce(p.grad)
+        inputs = [x_global[sum(sizes[:r]) : sum(sizes[: r + 1])] for r in range(world_size)]
+        dys = [dy_global[sum(sizes[:r]) : sum(sizes[: r + 1])] for r in range(world_size)]
+        _check_clip(outputs, grads, inputs, dys, layer, initial, f"distributed rank {rank}")
+    finally:
+        set_sbn_eps_mode("plus")
+    return budgets
+
+
+@pytest.mark.distributed
+def test_op_budget_and_clip_mode_over_gloo() -> None:
+    """At most OP_BUDGET ops per synchronized layer, forward + backward; one all_reduce each way (world size 2)."""
+    results = run_distributed(_worker_lean, 2, timeout=240)
+    for budgets in results:
+        for shape, (total, collectives, histogram) in budgets.items():
+            assert collectives == 2, f"{shape}: {collectives} all_reduces, expected 1 forward + 1 backward"
+            assert total <= OP_BUDGET, f"{shape}: {total} ops > budget {OP_BUDGET}:\n{histogram}"
