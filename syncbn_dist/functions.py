@@ -67,8 +67,9 @@ def local_payload(input: Tensor) -> Tensor:
     """The ``[sum (C), sum of squares (C), count]`` of one shard, as a (2C + 1,) float64 tensor.
 
     Computed as ``count * [mean, var + mean**2, 1]`` from the native statistics kernel
-    (``torch.batch_norm_update_stats``) on a float64 copy of ``input``: the mean and the biased variance come
-    out in float64 for every layout and dtype, so the payload is exact to float64 rounding.
+    (``torch.batch_norm_update_stats``; ``torch.var_mean`` inside a ``torch.compile`` graph) on a float64 copy
+    of ``input``: the mean and the biased variance come out in float64 for every layout and dtype, so the
+    payload is exact to float64 rounding.
 
     Args:
         input: (N, C, *) floating tensor, any memory format; N may be 0.
@@ -82,7 +83,12 @@ def local_payload(input: Tensor) -> Tensor:
         # Zeros made from the input, not a constant: under torch.compile two constant payloads of equal size would
         # be merged into one collective (common-subexpression elimination), leaving this rank a collective short.
         return input.new_zeros(2 * num_features + 1, dtype=_COMBINE_DTYPE)
-    mean, var = torch.batch_norm_update_stats(input.to(_COMBINE_DTYPE), None, None, 0.0)
+    shard = input.to(_COMBINE_DTYPE)
+    if torch.compiler.is_compiling():
+        # batch_norm_update_stats has no fake-tensor kernel for dynamic shapes; var_mean traces everywhere.
+        var, mean = torch.var_mean(shard, [0, *range(2, shard.dim())], correction=0)
+    else:
+        mean, var = torch.batch_norm_update_stats(shard, None, None, 0.0)
     moments = torch.cat([mean, torch.addcmul(var, mean, mean)])
     return F.pad(moments, (0, 1), value=1.0).mul_(count)
 

@@ -17,6 +17,7 @@ A worker exception fails the test with the worker's traceback; a hang is killed 
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -50,7 +51,9 @@ def _entry(
             value = worker(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, value))
+        # Plain pickle bytes, not torch's shared-memory tensor sharing: a worker's tensors would otherwise be
+        # received through file descriptors of a process that may already have exited.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: B036 - reported to the parent, which fails the test
         results.put((rank, False, traceback.format_exc()))
 
@@ -106,4 +109,4 @@ def run_distributed(
     if missing:
         codes = {rank: procs[rank].exitcode for rank in missing}
         raise AssertionError(f"distributed worker(s) {missing} died without a report (exit codes {codes})")
-    return [reports[rank][1] for rank in range(world_size)]
+    return [pickle.loads(reports[rank][1]) for rank in range(world_size)]

@@ -75,10 +75,12 @@ def _train(model: nn.Module, forward: Any, rank: int, world_size: int, variant: 
 
 
 def _worker_compiled_equals_eager(rank: int, world_size: int, backend: str, variants: Sequence[str]) -> dict:
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    results = {}
+    results: dict[str, Any] = {"graph_breaks": 0}
     for variant in variants:
+        # A fresh dynamo state per variant: the variants' compiled models share code objects, whose recompile
+        # limit (8 graphs each, one per batch shape with dynamic=False) would otherwise be reached across them.
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
         eager = _model(channels_last=variant == "channels_last")
         compiled_model = copy.deepcopy(eager)
         compiled = torch.compile(compiled_model, backend=backend, fullgraph=True, dynamic=False)
@@ -86,7 +88,7 @@ def _worker_compiled_equals_eager(rank: int, world_size: int, backend: str, vari
             _train(compiled_model, compiled, rank, world_size, variant),
             _train(eager, eager, rank, world_size, variant),
         )
-    results["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+        results["graph_breaks"] += sum(torch._dynamo.utils.counters["graph_break"].values())
     return results
 
 
