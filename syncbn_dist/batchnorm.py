@@ -225,15 +225,23 @@ class SyncBatchNorm(_BatchNorm):
                 (or, in debug mode, at different layers or calls).
             ReplicaSyncError: a DataParallel peer replica failed or did not arrive in ``replica_timeout``.
         """
+        if self._replica_exchange is not None:
+            return self._replica_forward(input)
+        return self._forward(input)
+
+    @torch.compiler.disable
+    def _replica_forward(self, input: Tensor) -> Tensor:
+        """The forward of a DataParallel replica (always eager): reports its own failure to its exchange.
+
+        A bad input, a mismatch or an error after the exchange wakes the peers blocked at this or a later layer
+        of the replication with ReplicaSyncError now, whatever runs the replicas (plain threads, torch's
+        parallel_apply).
+        """
         exchange = self._replica_exchange
-        if exchange is None:
-            return self._forward(input)
+        assert exchange is not None
         try:
             return self._forward(input)
         except BaseException as error:
-            # A DataParallel replica reports its own failure (a bad input, a mismatch, an error after the
-            # exchange) so that peers blocked at this or a later layer wake now with ReplicaSyncError,
-            # whatever runs the replicas (plain threads, torch's parallel_apply).
             exchange.report_failure(error, self._describe())
             raise
 
