@@ -5,6 +5,7 @@ from .batchnorm import (
     SynchronizedBatchNorm1d,
     SynchronizedBatchNorm2d,
     SynchronizedBatchNorm3d,
+    patch_sync_batchnorm,
     set_sbn_eps_mode,
 )
 from .comm import LayerMismatchError, ReplicaSyncError, is_debug_enabled, new_sync_groups, set_debug
@@ -25,6 +26,7 @@ __all__ = [
     "is_debug_enabled",
     "new_sync_groups",
     "patch_replication_callback",
+    "patch_sync_batchnorm",
     "revert_model",
     "set_debug",
     "set_sbn_eps_mode",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
+from collections.abc import Iterator
 from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .comm import (
@@ -27,6 +29,7 @@ __all__ = [
     "SynchronizedBatchNorm1d",
     "SynchronizedBatchNorm2d",
     "SynchronizedBatchNorm3d",
+    "patch_sync_batchnorm",
     "set_sbn_eps_mode",
 ]
 
@@ -190,7 +193,9 @@ class SyncBatchNorm(_BatchNorm):
         register with it as slaves.
         """
         if copy_id == 0:
-            ctx.sync_master = new_sync_master(self.replica_timeout)
+            # execute_replication_callbacks shares one Replication among its contexts; another implementation
+            # of the callbacks may not (then a failure wakes the peers at this layer's exchange only).
+            ctx.sync_master = new_sync_master(self.replica_timeout, getattr(ctx, "replication", None))
             self._replica_exchange = ctx.sync_master
         else:
             self._replica_exchange = ctx.sync_master.register_slave(copy_id)
@@ -220,6 +225,27 @@ class SyncBatchNorm(_BatchNorm):
                 (or, in debug mode, at different layers or calls).
             ReplicaSyncError: a DataParallel peer replica failed or did not arrive in ``replica_timeout``.
         """
+        if self._replica_exchange is not None:
+            return self._replica_forward(input)
+        return self._forward(input)
+
+    @torch.compiler.disable
+    def _replica_forward(self, input: Tensor) -> Tensor:
+        """The forward of a DataParallel replica (always eager): reports its own failure to its exchange.
+
+        A bad input, a mismatch or an error after the exchange wakes the peers blocked at this or a later layer
+        of the replication with ReplicaSyncError now, whatever runs the replicas (plain threads, torch's
+        parallel_apply).
+        """
+        exchange = self._replica_exchange
+        assert exchange is not None
+        try:
+            return self._forward(input)
+        except BaseException as error:
+            exchange.report_failure(error, self._describe())
+            raise
+
+    def _forward(self, input: Tensor) -> Tensor:
         self._check_input(input)
         transport = self._select_transport()
         self._transport_record[0] = "local" if transport is None else transport.name
@@ -379,3 +405,35 @@ class SynchronizedBatchNorm3d(SyncBatchNorm):
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() != 5:
             raise ValueError(f"expected 5D input (got {input.dim()}D input)")
+
+
+@contextlib.contextmanager
+def patch_sync_batchnorm() -> Iterator[None]:
+    """Inside the block, ``nn.BatchNorm1d/2d/3d`` construct ``SynchronizedBatchNorm1d/2d/3d``.
+
+    The classic Synchronized-BatchNorm-PyTorch API, for model code you cannot edit::
+
+        with syncbn_dist.patch_sync_batchnorm():
+            model = build_model()   # every nn.BatchNorm2d(...) it makes is a SynchronizedBatchNorm2d
+
+    It replaces the three attributes of ``torch.nn`` (so ``nn.BatchNorm2d(...)`` and
+    ``torch.nn.BatchNorm2d(...)`` are affected; a name imported before the block, e.g.
+    ``from torch.nn import BatchNorm2d``, is not) and restores the originals on exit, also when the block
+    raises. Blocks nest. The patch is process-wide: other threads constructing BatchNorm layers during the block
+    get the synchronized classes too. The synchronized classes take ``nn.BatchNorm``'s arguments
+    (``num_features, eps, momentum, affine, track_running_stats`` positionally, ``device`` and ``dtype`` by
+    keyword). :func:`~syncbn_dist.convert_model` after construction does the same without a patch.
+
+    Yields:
+        None.
+    """
+    backup = nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d = (  # type: ignore[misc]
+        SynchronizedBatchNorm1d,
+        SynchronizedBatchNorm2d,
+        SynchronizedBatchNorm3d,
+    )
+    try:
+        yield
+    finally:
+        nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d = backup  # type: ignore[misc]

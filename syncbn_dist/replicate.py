@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .comm.replica import ReplicaSyncError, SyncMaster
+from .comm.replica import ReplicaSyncError, Replication, SyncMaster
 
 __all__ = [
     "CallbackContext",
@@ -21,7 +21,14 @@ __all__ = [
 
 
 class CallbackContext:
-    """Shared by the replicas of one original submodule during a replication (e.g. holds its SyncMaster)."""
+    """Shared by the replicas of one original submodule during a replication (e.g. holds its SyncMaster).
+
+    ``replication`` is shared by every context of the same replication, so the exchanges of all its layers
+    fail together (see :class:`~syncbn_dist.comm.replica.Replication`).
+    """
+
+    def __init__(self, replication: Optional[Replication] = None) -> None:
+        self.replication = replication
 
 
 def execute_replication_callbacks(replicas: Sequence[nn.Module]) -> None:
@@ -30,7 +37,9 @@ def execute_replication_callbacks(replicas: Sequence[nn.Module]) -> None:
     Replica 0 is the master copy. Submodules at the same position in ``modules()`` order across replicas
     share one :class:`CallbackContext`, so the master (copy_id 0, called first) can leave its
     :class:`~syncbn_dist.comm.SyncMaster` there for the slaves. Works for replicas on any device, CPU
-    included, and for replicas that are later run in ordinary threads.
+    included, and for replicas that are later run in ordinary threads or ``torch.nn.parallel.parallel_apply``:
+    a synchronized layer that raises wakes every replica waiting at any synchronized layer of the same
+    replication (each raises ``ReplicaSyncError`` naming the failing replica and layer).
 
     Args:
         replicas: the replica modules, all structurally identical, replica 0 first.
@@ -45,7 +54,8 @@ def execute_replication_callbacks(replicas: Sequence[nn.Module]) -> None:
         raise ValueError(
             f"expected structurally identical replicas (got submodule counts {[len(m) for m in module_lists]})"
         )
-    contexts = [CallbackContext() for _ in module_lists[0]]
+    replication = Replication()
+    contexts = [CallbackContext(replication) for _ in module_lists[0]]
     for copy_id, modules in enumerate(module_lists):
         for ctx, module in zip(contexts, modules):
             if hasattr(module, "__data_parallel_replicate__"):

@@ -20,6 +20,7 @@ __all__ = [
     "DataParallelTransport",
     "FutureResult",
     "ReplicaSyncError",
+    "Replication",
     "SlavePipe",
     "SyncMaster",
     "new_sync_master",
@@ -34,7 +35,18 @@ class ReplicaSyncError(RuntimeError):
 
 
 class _Failure(NamedTuple):
+    """A failure delivered to the waiters of an exchange: the root cause and, when known, where it happened."""
+
     error: BaseException
+    copy_id: Optional[int] = None
+    where: str = ""
+
+    def to_error(self) -> ReplicaSyncError:
+        who = "another replica" if self.copy_id is None else f"replica {self.copy_id}"
+        if self.copy_id == 0:
+            who += " (the master)"
+        at = f" in {self.where}" if self.where else ""
+        return ReplicaSyncError(f"{who} failed{at}: {self.error!r}")
 
 
 class FutureResult:
@@ -55,8 +67,9 @@ class FutureResult:
             self._ready = True
             self._cond.notify_all()
 
-    def put_error(self, error: BaseException) -> None:
-        self.put(_Failure(error))
+    def put_error(self, error: BaseException, copy_id: Optional[int] = None, where: str = "") -> None:
+        """Make the waiter raise :class:`ReplicaSyncError` from ``error``, naming replica ``copy_id`` and ``where``."""
+        self.put(_Failure(error, copy_id, where))
 
     def get(self, timeout: Optional[float] = None) -> Any:
         """Wait for the result and take it (the slot is empty again afterwards).
@@ -69,7 +82,7 @@ class FutureResult:
                 raise ReplicaSyncError(f"no result from the master replica within {timeout} s")
             result, self._result, self._ready = self._result, None, False
         if isinstance(result, _Failure):
-            raise ReplicaSyncError(f"the master replica failed: {result.error!r}") from result.error
+            raise result.to_error() from result.error
         return result
 
 
@@ -80,6 +93,7 @@ class SlavePipe(NamedTuple):
     queue: queue.Queue[Any]
     result: FutureResult
     timeout: Optional[float]
+    master: Optional[SyncMaster] = None
 
     def run_slave(self, msg: Any) -> Any:
         """Send ``msg`` to the master and return its answer for this replica.
@@ -87,8 +101,22 @@ class SlavePipe(NamedTuple):
         Raises:
             ReplicaSyncError: if the master fails or does not answer within ``timeout`` seconds.
         """
+        failure = None if self.master is None else self.master._failure
+        if failure is not None:  # the round was aborted and this replica already took its error
+            raise failure.to_error() from failure.error
         self.queue.put((self.identifier, msg))
         return self.result.get(self.timeout)
+
+    def report_failure(self, error: BaseException, where: str = "") -> None:
+        """Report that this replica failed (in ``where``): wakes the master and every other slave at once.
+
+        With a :class:`Replication`, the replicas waiting at any other exchange of the same replication wake
+        too. Only the first failure reported to an exchange is delivered.
+        """
+        if self.master is not None:
+            self.master.abort(error, self.identifier, where)
+        else:
+            self.queue.put(_Failure(error, self.identifier, where))
 
 
 class SyncMaster:
@@ -99,18 +127,23 @@ class SyncMaster:
     (the master's own message first), and hands each slave its entry of the returned list.
 
     Nothing waits forever: the master gives up after ``timeout`` seconds without a slave's message, any
-    failure of the callback is delivered to every slave, and :meth:`abort` wakes every waiter with an error
-    (the DataParallel runners call it when a replica raises).
+    failure of the callback is delivered to every slave, and :meth:`abort` wakes every waiter with an error.
+    Synchronized layers call it (through :meth:`report_failure` and :meth:`SlavePipe.report_failure`) when
+    they raise, so peers wake whatever runs the replicas; the DataParallel runners call it too when a replica
+    raises anywhere. After an abort every later exchange of the round fails at once: replicate again.
 
     Args:
         master_callback: ``[(copy_id, msg)] -> [(copy_id, result)]``, one entry per replica.
         timeout: seconds to wait for a peer; None waits forever.
+        replication: the :class:`Replication` this exchange belongs to: an abort of any of its exchanges
+            aborts them all. Default: ``None`` (this exchange alone)
     """
 
     def __init__(
         self,
         master_callback: Callable[[list[tuple[int, Any]]], list[tuple[int, Any]]],
         timeout: Optional[float] = DEFAULT_REPLICA_TIMEOUT,
+        replication: Optional[Replication] = None,
     ) -> None:
         self._master_callback = master_callback
         self.timeout = timeout
@@ -118,6 +151,12 @@ class SyncMaster:
         self._registry: dict[int, FutureResult] = {}
         # Set once the master has run; the next registration then starts a new replication round.
         self._activated = False
+        # The first failure of this round; later ones are not delivered (they are its consequences).
+        self._failure: Optional[_Failure] = None
+        self._failure_lock = threading.Lock()
+        self.replication = replication
+        if replication is not None:
+            replication.add(self)
 
     @property
     def nr_slaves(self) -> int:
@@ -139,11 +178,12 @@ class SyncMaster:
             self._activated = False
             self._registry.clear()
             self._queue = queue.Queue()
+            self._failure = None
         if identifier in self._registry:
             raise ValueError(f"replica {identifier} is already registered with this SyncMaster")
         future = FutureResult()
         self._registry[identifier] = future
-        return SlavePipe(identifier, self._queue, future, self.timeout)
+        return SlavePipe(identifier, self._queue, future, self.timeout, self)
 
     def run_master(self, master_msg: Any) -> Any:
         """Collect every slave's message, reduce with the callback, answer the slaves, return the master's.
@@ -153,6 +193,8 @@ class SyncMaster:
             Exception: whatever the callback raised (every slave receives it as a ReplicaSyncError).
         """
         self._activated = True
+        if self._failure is not None:  # aborted, and the failure on the queue was already taken
+            raise self._failure.to_error() from self._failure.error
         intermediates = [(0, master_msg)]
         for _ in range(self.nr_slaves):
             try:
@@ -165,7 +207,7 @@ class SyncMaster:
                 self.abort(error)
                 raise error from None
             if isinstance(item, _Failure):
-                raise ReplicaSyncError(f"another replica failed: {item.error!r}") from item.error
+                raise item.to_error() from item.error
             intermediates.append(item)
         intermediates.sort(key=lambda pair: pair[0])
         try:
@@ -178,11 +220,61 @@ class SyncMaster:
                 self._registry[copy_id].put(result)
         return results[0][1]
 
-    def abort(self, error: BaseException) -> None:
-        """Wake the master and every slave waiting in this exchange with ``error``."""
-        self._queue.put(_Failure(error))
+    def report_failure(self, error: BaseException, where: str = "") -> None:
+        """Report that the master replica (copy 0) failed (in ``where``); see :meth:`abort`."""
+        self.abort(error, 0, where)
+
+    def abort(self, error: BaseException, copy_id: Optional[int] = None, where: str = "") -> None:
+        """Wake the master and every slave waiting in this exchange (and its :class:`Replication`'s).
+
+        Each raises :class:`ReplicaSyncError` from ``error``, naming replica ``copy_id`` (None: unknown) and
+        ``where``. Only the first abort of a round is delivered; later ones are ignored.
+        """
+        failure = _Failure(error, copy_id, where)
+        if self.replication is not None:
+            self.replication.abort(failure)
+        else:
+            self._abort_round(failure)
+
+    def _abort_round(self, failure: _Failure) -> None:
+        with self._failure_lock:
+            if self._failure is not None:
+                return
+            self._failure = failure
+        self._queue.put(failure)
         for future in self._registry.values():
-            future.put_error(error)
+            future.put(failure)
+
+
+class Replication:
+    """The exchanges of one replication (one call of ``execute_replication_callbacks``), failing together.
+
+    A replica that fails after its layer's exchange leaves its peers waiting at a *later* layer; aborting
+    every exchange of the replication wakes them there. Each :class:`SyncMaster` created with
+    ``replication=`` adds itself.
+    """
+
+    def __init__(self) -> None:
+        self._masters: list[SyncMaster] = []
+        self._failure: Optional[_Failure] = None
+        self._lock = threading.Lock()
+
+    def add(self, master: SyncMaster) -> None:
+        with self._lock:
+            self._masters.append(master)
+            failure = self._failure
+        if failure is not None:
+            master._abort_round(failure)
+
+    def abort(self, failure: _Failure) -> None:
+        """Deliver ``failure`` to every exchange of the replication (the first failure only)."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = failure
+            masters = list(self._masters)
+        for master in masters:
+            master._abort_round(failure)
 
 
 class DataParallelTransport:
@@ -239,6 +331,8 @@ def sum_replica_messages(intermediates: list[tuple[int, Any]]) -> list[tuple[int
     ]
 
 
-def new_sync_master(timeout: Optional[float] = DEFAULT_REPLICA_TIMEOUT) -> SyncMaster:
-    """A :class:`SyncMaster` wired to :func:`sum_replica_messages`."""
-    return SyncMaster(sum_replica_messages, timeout)
+def new_sync_master(
+    timeout: Optional[float] = DEFAULT_REPLICA_TIMEOUT, replication: Optional[Replication] = None
+) -> SyncMaster:
+    """A :class:`SyncMaster` wired to :func:`sum_replica_messages`, part of ``replication`` if given."""
+    return SyncMaster(sum_replica_messages, timeout, replication)
