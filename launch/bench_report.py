@@ -381,9 +381,10 @@ def _model_line(name: str, cfg: dict[str, Any], runs: list[dict[str, Any]]) -> s
         net = f"{cfg['num_layers']} × (conv3x3 → BatchNorm2d → ReLU) at width {cfg['width']}"
     walls = ", ".join(f"W={r['world_size']} {r['wall_seconds']} s" for r in runs)
     rounds = "/".join(str(next(iter(r["variants"].values()))["rounds"]) for r in runs)
+    bucket = f"{cfg['bucket_cap_mb']} MiB" if cfg["bucket_cap_mb"] else "default"
     return (
         f"- {name}: {net}, batch {cfg['batch_size']} per rank, {cfg['image_size']}×{cfg['image_size']} input, "
-        f"DDP bucket cap {cfg['bucket_cap_mb'] or 'default'} MiB, {rounds} rounds × {cfg['steps_per_round']} "
+        f"DDP bucket cap {bucket}, {rounds} rounds × {cfg['steps_per_round']} "
         f"step(s), {cfg['threads']} thread(s) per rank; wall time {walls}"
     )
 
@@ -472,8 +473,9 @@ def markdown(summary: dict[str, Any]) -> str:
         "## Every variant: step time, aten ops, collectives, compilation",
         "",
         "aten ops: dispatched per training step (forward, backward, optimizer; tests/op_counting.py's OpCounter): "
-        "on a GPU each is a kernel launch or host work. Compiled: `torch.compile` of the DDP model (inductor); its "
-        "fused kernels are not aten ops, so its count is what runs outside them. Collectives: counted by wrapping "
+        "on a GPU each is a kernel launch or host work. Compiled: `torch.compile` of the DDP model (the scenario's "
+        "compile_backend, inductor in make bench), compiled in warm-up (compile s, slowest rank); inductor's fused "
+        "kernels are not aten ops, so its count is what runs outside them. Collectives: counted by wrapping "
         "torch.distributed (DDP's gradient buckets run in C++ and are not counted). Graph breaks: counted by dynamo "
         "during the variant's warm-up; a frame an earlier compiled variant already met (DDP's own) is not counted "
         "again, so a later variant shows only breaks in its own code. n/a: torch.nn.SyncBatchNorm needs CUDA "
@@ -612,7 +614,8 @@ def plot(summary: dict[str, Any], path: str) -> None:
         ax.set_xticks(range(len(runs)))
         ax.set_xticklabels([f"W={r['world_size']}\n{r['backend']}" for r in runs])
         ax.set_ylabel("training step, median ms")
-        ax.set_title(f"{name}: width {cfg['width']}, {cfg['num_layers']} BN layers, batch {cfg['batch_size']}/rank")
+        layers = len(_batchnorm_channels(cfg))
+        ax.set_title(f"{name}: {cfg['model']} width {cfg['width']}, {layers} BN layers, batch {cfg['batch_size']}/rank")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
