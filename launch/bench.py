@@ -97,7 +97,7 @@ class BenchConfig:
     device: str = "auto"  # not "auto": overrides every scenario's and the microbenchmark's device
     # Scenario files, relative to this config file's directory (or to the working directory).
     scenarios: list[str] = field(default_factory=lambda: ["bench_latency.yaml", "bench_compute.yaml"])
-    compute_scenario: str = "compute"  # the scenario P1 and P2 are judged on
+    compute_scenario: str = "compute"  # the scenario P1 is judged on
     micro: MicroConfig = field(default_factory=MicroConfig)
     plot: bool = True
 
