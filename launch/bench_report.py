@@ -468,6 +468,9 @@ def markdown(summary: dict[str, Any]) -> str:
     )
     out.append("")
     out += [_model_line(name, s["config"], s["runs"]) for name, s in summary["scenarios"].items()]
+    skipped = [f"{name} W={w}" for name, s in summary["scenarios"].items() for w in s["skipped_world_sizes"]]
+    if skipped:
+        out += ["", f"Skipped (nccl needs one GPU per rank): {', '.join(skipped)}."]
     out += [
         "",
         "## Every variant: step time, aten ops, collectives, compilation",
@@ -608,7 +611,7 @@ def plot(summary: dict[str, Any], path: str) -> None:
                     j + 0.45,
                     colors="black",
                     linestyles="dashed",
-                    label="(a) + comm. floor" if j == 0 else None,
+                    label="(a) + back-to-back floor" if j == 0 else None,
                 )
         cfg = scenario["config"]
         ax.set_xticks(range(len(runs)))
@@ -616,7 +619,8 @@ def plot(summary: dict[str, Any], path: str) -> None:
         ax.set_ylabel("training step, median ms")
         layers = len(_batchnorm_channels(cfg))
         ax.set_title(f"{name}: {cfg['model']} width {cfg['width']}, {layers} BN layers, batch {cfg['batch_size']}/rank")
-        ax.legend(fontsize=7)
+        if names:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
