@@ -200,6 +200,12 @@ def load_config(path: str, overrides: Optional[list[str]] = None) -> tuple[Bench
         cap = scenario.bucket_cap_mb
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
             raise TypeError(f"config key 'bucket_cap_mb': expected null or a positive number (got {cap!r})")
+        compiled = [v for v in scenario.variants if v.endswith(COMPILED_SUFFIX)]
+        if compiled and cap is not None and cap < 1.0:
+            # dynamo's DDP optimizer asserts that DDP's first bucket (1 MiB) is no larger than the others.
+            raise ValueError(
+                f"scenario {scenario.name!r}: compiled variants {compiled} need bucket_cap_mb null or >= 1 (got {cap})"
+            )
         if scenario.model not in MODELS:
             raise ValueError(f"scenario {scenario.name!r}: unknown model {scenario.model!r} (expected one of {MODELS})")
         bad = [v for v in scenario.variants if v not in VARIANTS]

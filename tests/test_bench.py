@@ -256,3 +256,5 @@ def test_device_override_reaches_every_scenario_and_the_microbenchmark(tmp_path:
         bench.load_config(str(config), ["device=tpu"])
     with pytest.raises(ValueError, match="unknown model 'vgg'"):
         bench.load_config(str(config), ["scenario.model=vgg"])
+    with pytest.raises(ValueError, match="compiled variants"):
+        bench.load_config(str(config), ["scenario.bucket_cap_mb=0.5"])  # tiny has syncbn_dist_compiled
