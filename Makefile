@@ -48,7 +48,7 @@ compare: install
 	OMP_NUM_THREADS=1 $(PY) launch/compare.py --config configs/compare.yaml
 
 bench: install
-	$(PY) launch/bench.py --config configs/bench.yaml
+	$(PY) launch/bench.py --config configs/bench.yaml $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check syncbn_dist launch tests

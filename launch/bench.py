@@ -1,4 +1,5 @@
-"""The syncbn_dist benchmark: DDP training-step time per BatchNorm variant, collectives, floor, memory, microbench.
+"""The syncbn_dist benchmark: DDP training-step time per BatchNorm variant against the in-step synchronization
+floor, compiled variants, aten ops and collectives per step, memory, and the one-layer microbenchmark.
 
 Commands::
 
@@ -6,11 +7,14 @@ Commands::
     .venv/bin/python launch/bench.py --config configs/bench.yaml
     .venv/bin/python launch/bench.py --config configs/bench.yaml scenario.rounds=5 micro.enabled=false
     .venv/bin/python launch/bench.py --config configs/bench.yaml scenarios=[bench_compute.yaml]
+    .venv/bin/python launch/bench.py --config configs/bench.yaml device=cuda output_dir=outputs/bench_gpu
 
 ``key=value`` overrides set config keys (dotted for nested ones; values are YAML); ``scenario.KEY=value``
-sets KEY in every scenario file. It spawns its own worker processes (gloo on CPU, nccl when every rank can
-have a GPU) for each scenario and world size, then writes ``bench.json``, ``bench.md`` (also printed) and
-``bench.png`` to ``output_dir``, with the resolved config as ``config.yaml``.
+sets KEY in every scenario file; ``device=cuda`` (or ``cpu``) sets the device of every scenario and of the
+microbenchmark. It spawns its own worker processes (gloo on CPU, nccl when every rank has its own GPU) for
+each scenario and world size; on CUDA, world sizes above the GPU count are skipped and listed as skipped. It
+writes ``performance.json`` (every measurement and the resolved config), ``performance.md`` (also printed)
+and ``performance.png`` to ``output_dir`` (``docs/`` for ``make bench``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 import yaml
 from bench_dist import launch, pick_backend
 from bench_micro import micro_worker
-from bench_models import VARIANTS
+from bench_models import COMPILED_SUFFIX, MODELS, VARIANTS
 from bench_report import markdown, plot, summarize, write_json
 from bench_step import step_worker
 
@@ -38,12 +42,13 @@ class ScenarioConfig:
     """One model/batch setting, measured at each of ``world_sizes`` (a bench_*.yaml scenario file)."""
 
     name: str = "latency"
+    model: str = "convbn"  # "convbn": BenchNet (num_layers x conv->BN->ReLU); "resnet18": ResNetBench
     world_sizes: list[int] = field(default_factory=lambda: [2, 4, 8])
     variants: list[str] = field(default_factory=lambda: list(VARIANTS))
     device: str = "auto"  # "auto": nccl if every rank gets a GPU, else gloo on CPU; "cpu"; "cuda"
     threads: int = 1  # intra-op threads per rank
-    width: int = 16
-    num_layers: int = 4
+    width: int = 16  # resnet18: the first stage's width (then 2x, 4x, 8x)
+    num_layers: int = 4  # convbn only
     in_channels: int = 3
     image_size: int = 8
     batch_size: int = 8  # per rank
@@ -57,6 +62,9 @@ class ScenarioConfig:
     min_rounds: int = 5
     round_budget_s: float = 60.0  # per world size: no new round starts after this many seconds of rounds
     steps_per_round: int = 1
+    # World sizes at which the ``_compiled`` variants run (compiling takes minutes on a small CPU); [] for all.
+    compile_world_sizes: list[int] = field(default_factory=list)
+    compile_backend: str = "inductor"  # torch.compile backend of the _compiled variants
     floor_repeats: int = 20
     memory_steps: int = 2
     profile: bool = True
@@ -86,9 +94,10 @@ class BenchConfig:
     """The whole benchmark (configs/bench.yaml)."""
 
     output_dir: str = "outputs/bench"
+    device: str = "auto"  # not "auto": overrides every scenario's and the microbenchmark's device
     # Scenario files, relative to this config file's directory (or to the working directory).
     scenarios: list[str] = field(default_factory=lambda: ["bench_latency.yaml", "bench_compute.yaml"])
-    compute_scenario: str = "compute"  # the scenario P1 and P2 are judged on
+    compute_scenario: str = "compute"  # the scenario P1 is judged on
     micro: MicroConfig = field(default_factory=MicroConfig)
     plot: bool = True
 
@@ -175,6 +184,11 @@ def load_config(path: str, overrides: Optional[list[str]] = None) -> tuple[Bench
         else:
             _apply_override(raw, key, value)
     cfg = from_dict(BenchConfig, raw)
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"expected device 'auto', 'cpu' or 'cuda' (got {cfg.device!r})")
+    if cfg.device != "auto":
+        cfg.micro.device = cfg.device
+        scenario_overrides.append(("device", cfg.device))
     scenarios = []
     for scenario_path in cfg.scenarios:
         resolved = _resolve(scenario_path, os.path.dirname(os.path.abspath(path)))
@@ -186,6 +200,14 @@ def load_config(path: str, overrides: Optional[list[str]] = None) -> tuple[Bench
         cap = scenario.bucket_cap_mb
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
             raise TypeError(f"config key 'bucket_cap_mb': expected null or a positive number (got {cap!r})")
+        compiled = [v for v in scenario.variants if v.endswith(COMPILED_SUFFIX)]
+        if compiled and cap is not None and cap < 1.0:
+            # dynamo's DDP optimizer asserts that DDP's first bucket (1 MiB) is no larger than the others.
+            raise ValueError(
+                f"scenario {scenario.name!r}: compiled variants {compiled} need bucket_cap_mb null or >= 1 (got {cap})"
+            )
+        if scenario.model not in MODELS:
+            raise ValueError(f"scenario {scenario.name!r}: unknown model {scenario.model!r} (expected one of {MODELS})")
         bad = [v for v in scenario.variants if v not in VARIANTS]
         if bad:
             raise ValueError(f"scenario {scenario.name!r}: unknown variant {bad[0]!r} (expected one of {VARIANTS})")
@@ -222,28 +244,37 @@ def run(cfg: BenchConfig, scenarios: list[ScenarioConfig], command: str) -> dict
     """Run every scenario at every world size and the microbenchmark; write and return the summary."""
     os.makedirs(cfg.output_dir, exist_ok=True)
     resolved = {**dataclasses.asdict(cfg), "scenario_configs": [dataclasses.asdict(s) for s in scenarios]}
-    with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(resolved, f, sort_keys=False)
 
     started = time.perf_counter()
     machine = _machine()
     raw_scenarios = []
     for scenario in scenarios:
         runs = []
+        skipped = []
         for world_size in scenario.world_sizes:
+            if scenario.device == "cuda" and torch.cuda.device_count() < world_size:
+                skipped.append(world_size)  # nccl needs one GPU per rank
+                continue
             backend = pick_backend(world_size, scenario.device)
+            variants = [
+                v
+                for v in scenario.variants
+                if not v.endswith(COMPILED_SUFFIX)
+                or not scenario.compile_world_sizes
+                or world_size in scenario.compile_world_sizes
+            ]
             print(f"[bench] {scenario.name}: world size {world_size} ({backend}) ...", flush=True)
             launched = time.perf_counter()
             result = launch(
                 step_worker,
                 world_size,
-                dataclasses.asdict(scenario),
+                {**dataclasses.asdict(scenario), "variants": variants},
                 backend=backend,
                 threads=scenario.threads,
                 timeout_s=scenario.timeout_s,
             )
             runs.append({**result, "wall_seconds": round(time.perf_counter() - launched, 1)})
-        raw_scenarios.append({"config": dataclasses.asdict(scenario), "runs": runs})
+        raw_scenarios.append({"config": dataclasses.asdict(scenario), "runs": runs, "skipped_world_sizes": skipped})
     micro = None
     if cfg.micro.enabled:
         print("[bench] microbenchmark ...", flush=True)
@@ -261,13 +292,15 @@ def run(cfg: BenchConfig, scenarios: list[ScenarioConfig], command: str) -> dict
 
     summary = summarize(raw_scenarios, micro, machine, command, resolved, cfg.compute_scenario)
     table = markdown(summary)
-    write_json(summary, os.path.join(cfg.output_dir, "bench.json"))
-    with open(os.path.join(cfg.output_dir, "bench.md"), "w") as f:
+    write_json(summary, os.path.join(cfg.output_dir, "performance.json"))
+    with open(os.path.join(cfg.output_dir, "performance.md"), "w") as f:
         f.write(table)
     if cfg.plot:
-        plot(summary, os.path.join(cfg.output_dir, "bench.png"))
+        plot(summary, os.path.join(cfg.output_dir, "performance.png"))
     print(table)
-    print(f"[bench] wrote {cfg.output_dir}/bench.json, bench.md" + (", bench.png" if cfg.plot else ""))
+    print(
+        f"[bench] wrote {cfg.output_dir}/performance.json, performance.md" + (", performance.png" if cfg.plot else "")
+    )
     return summary
 
 

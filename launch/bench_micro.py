@@ -3,8 +3,9 @@
 It runs in a one-member process group. ``syncbn_dist`` is forced through its synchronized path with a
 :class:`syncbn_dist.comm.DistributedTransport` on that group (the module itself would skip the collective
 for one member), so the figure is the local compute of the sync path plus a one-member all_reduce. On CUDA
-it also times torch's own ``SyncBatchNorm`` autograd function at world size 1. Every variant is timed in the
-same repetition loop (A B C A B C ...); the result is the median per variant.
+it also times torch's own ``SyncBatchNorm`` autograd function at world size 1 (the one ``nn.SyncBatchNorm``
+runs in training). Every variant is timed in the same repetition loop (A B C A B C ...); the result is the
+median per variant, with the aten ops one forward+backward dispatches (``tests/op_counting.py``'s OpCounter).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bench_step import load_op_counter
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
@@ -120,6 +122,11 @@ def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str,
                     for name, fn in fns.items():
                         times[name].append(case.timed(fn))
                 medians = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+                ops = {}
+                for name, fn in fns.items():
+                    with load_op_counter()() as counter:
+                        case.run(fn)
+                    ops[name] = counter.total
                 ratio = medians["syncbn_dist"] / medians["F.batch_norm"]
                 entry = {
                     "shape": list(shape),
@@ -127,6 +134,7 @@ def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str,
                     "memory_format": memory_format,
                     "median_ms": {name: 1e3 * m for name, m in medians.items()},
                     "ratio": ratio,
+                    "ops": ops,
                     "errors": errors,
                 }
                 cases.append(entry)

@@ -1,12 +1,18 @@
-"""The benchmark's CNN, the naive reference SyncBN, and the model of every benchmarked variant.
+"""The benchmark's networks, the naive reference SyncBN, the floor variant, and the model of every variant.
+
+Networks: :class:`BenchNet` (conv3x3 -> BN -> ReLU layers at constant width) and :class:`ResNetBench`
+(ResNet-18 topology at reduced width for 32x32 inputs).
 
 Variants (the keys used throughout the benchmark's JSON):
 
 - ``bn``: plain ``nn.BatchNorm2d``, unsynchronized, the lower bound (a);
 - ``syncbn_dist``: :func:`syncbn_dist.convert_model` on DDP's process group (b);
 - ``syncbn_dist_dedicated``: the same on a dedicated group created once and shared by every layer (b', P5);
+- ``floor``: plain ``nn.BatchNorm2d`` plus the collectives syncbn_dist sends, with dummy payloads (f): the
+  in-step synchronization floor (:class:`FloorBatchNorm2d`);
 - ``naive``: :class:`NaiveSyncBatchNorm2d`, detectron2-style (c);
-- ``torch_syncbn``: ``torch.nn.SyncBatchNorm`` (d), CUDA only: it refuses CPU tensors.
+- ``torch_syncbn``: ``torch.nn.SyncBatchNorm`` (d), CUDA only: it refuses CPU tensors;
+- ``<variant>_compiled``: the same model, ``torch.compile`` of its DDP wrapper (inductor).
 """
 
 from __future__ import annotations
@@ -21,14 +27,27 @@ from torch.autograd import Function
 
 import syncbn_dist
 
-VARIANTS = ("bn", "syncbn_dist", "syncbn_dist_dedicated", "naive", "torch_syncbn")
-LABELS = {
+EAGER_VARIANTS = ("bn", "syncbn_dist", "syncbn_dist_dedicated", "floor", "naive", "torch_syncbn")
+COMPILED_SUFFIX = "_compiled"
+VARIANTS = EAGER_VARIANTS + tuple(v + COMPILED_SUFFIX for v in ("bn", "syncbn_dist", "floor", "naive"))
+_EAGER_LABELS = {
     "bn": "(a) nn.BatchNorm2d",
     "syncbn_dist": "(b) syncbn_dist",
     "syncbn_dist_dedicated": "(b') syncbn_dist, dedicated group",
+    "floor": "(f) BN + same collectives",
     "naive": "(c) naive SyncBN",
     "torch_syncbn": "(d) torch.nn.SyncBatchNorm",
 }
+LABELS = {
+    **_EAGER_LABELS,
+    **{v + COMPILED_SUFFIX: _EAGER_LABELS[v] + ", compiled" for v in ("bn", "syncbn_dist", "floor", "naive")},
+}
+MODELS = ("convbn", "resnet18")
+
+
+def eager_variant(variant: str) -> str:
+    """The eager variant a (possibly ``_compiled``) variant builds its model from."""
+    return variant[: -len(COMPILED_SUFFIX)] if variant.endswith(COMPILED_SUFFIX) else variant
 
 
 class BenchNet(nn.Module):
@@ -49,6 +68,115 @@ class BenchNet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.features(x).mean((2, 3)))
+
+
+class _BasicBlock(nn.Module):
+    """ResNet's BasicBlock (He et al. 2016, arXiv:1512.03385): two conv3x3 -> BN, identity or conv1x1 -> BN shortcut.
+
+    The block's last BN starts with weight 0 ("zero-init residual", Goyal et al. 2017, arXiv:1706.02677), as
+    torchvision's ``zero_init_residual=True``.
+    """
+
+    def __init__(self, in_channels: int, channels: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, channels, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        nn.init.zeros_(self.bn2.weight)
+        self.downsample: Optional[nn.Module] = None
+        if stride != 1 or in_channels != channels:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(in_channels, channels, 1, stride, bias=False), nn.BatchNorm2d(channels)
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        shortcut = x if self.downsample is None else self.downsample(x)
+        return torch.relu(out + shortcut)
+
+
+class ResNetBench(nn.Module):
+    """ResNet-18 topology (2-2-2-2 BasicBlocks) at base ``width`` for 32x32 inputs: 20 BatchNorm2d layers.
+
+    CIFAR-style stem (one conv3x3 -> BN -> ReLU, no max-pool), stages of ``width``, 2, 4 and 8 x ``width``
+    channels at strides 1, 2, 2, 2, a BN in each downsampling shortcut, global average pool, linear head.
+    """
+
+    def __init__(self, in_channels: int, width: int, num_classes: int) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(True)
+        )
+        blocks: list[nn.Module] = []
+        channels = width
+        for stage, stride in enumerate((1, 2, 2, 2)):
+            out_channels = width * 2**stage
+            blocks += [_BasicBlock(channels, out_channels, stride), _BasicBlock(out_channels, out_channels, 1)]
+            channels = out_channels
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(channels, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+def build_model(model: str, in_channels: int, width: int, num_layers: int, num_classes: int) -> nn.Module:
+    """The scenario's network with plain ``nn.BatchNorm2d`` layers: ``"convbn"`` or ``"resnet18"``.
+
+    Raises:
+        ValueError: for a model name not in :data:`MODELS`.
+    """
+    if model == "convbn":
+        return BenchNet(in_channels, width, num_layers, num_classes)
+    if model == "resnet18":
+        return ResNetBench(in_channels, width, num_classes)
+    raise ValueError(f"expected a model in {MODELS} (got {model!r})")
+
+
+class _SyncPoint(Function):
+    """Identity on ``input``; forward all-reduces ``forward_payload``, backward a fresh ``backward_numel`` buffer.
+
+    The collectives carry dummy values (zeros) but have syncbn_dist's sizes, dtype and group, one per layer and
+    direction: forward before the layer's own work, backward after it (a synchronized layer's collective sits
+    between its two passes over the activations, either way inside the layer).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, forward_payload: Tensor, backward_numel: int, group: Optional[Any]) -> Tensor:
+        ctx.backward_numel, ctx.group = backward_numel, group
+        dist.all_reduce(forward_payload, group=group)
+        return input.view_as(input)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None, None]:
+        payload = torch.zeros(ctx.backward_numel, dtype=torch.float64, device=grad_output.device)
+        dist.all_reduce(payload, group=ctx.group)
+        return grad_output, None, None, None
+
+
+class FloorBatchNorm2d(nn.BatchNorm2d):
+    """Plain ``nn.BatchNorm2d`` plus the two collectives a syncbn_dist layer sends: the in-step floor (f).
+
+    In training, forward all-reduces (2C+1) float64 values and backward 2C float64 values on ``process_group``
+    through autograd, as syncbn_dist does (``[count, sum, sumsq]`` and ``[sum_dy, sum_dy_xhat]``), with dummy
+    payloads. Its step time minus plain BN's is what the synchronization points cost inside a training step
+    (waiting for the slowest rank, waking the transport's thread while the cores are busy), which no
+    synchronized BatchNorm can avoid.
+    """
+
+    def __init__(self, *args: Any, process_group: Optional[Any] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.process_group = process_group
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self.training:
+            # On the input, not the output: the output of a custom Function that returns a view may not be
+            # modified in place (the inplace ReLU after it), and a clone would add a pass over the activations.
+            payload = torch.zeros(2 * self.num_features + 1, dtype=torch.float64, device=input.device)
+            input = _SyncPoint.apply(input, payload, 2 * self.num_features, self.process_group)
+        return super().forward(input)
 
 
 class _AllReduceSum(Function):
@@ -120,8 +248,19 @@ def _naive_from(process_group: Optional[Any]) -> Callable[[nn.BatchNorm2d], nn.M
     return build
 
 
+def _floor_from(process_group: Optional[Any]) -> Callable[[nn.BatchNorm2d], nn.Module]:
+    def build(old: nn.BatchNorm2d) -> nn.Module:
+        new = FloorBatchNorm2d(old.num_features, old.eps, old.momentum, process_group=process_group)
+        new.load_state_dict(old.state_dict())
+        return new.to(old.weight.device)
+
+    return build
+
+
 def build_variant(variant: str, base: nn.Module, dedicated_group: Optional[Any] = None) -> nn.Module:
     """A deep copy of ``base`` (same weights) with its BatchNorm layers made into ``variant``'s kind.
+
+    A ``_compiled`` variant gets its eager variant's model here; the caller compiles it.
 
     Args:
         variant: one of :data:`VARIANTS`.
@@ -132,6 +271,7 @@ def build_variant(variant: str, base: nn.Module, dedicated_group: Optional[Any] 
         ValueError: for an unknown variant, or ``syncbn_dist_dedicated`` without a group.
     """
     model = copy.deepcopy(base)
+    variant = eager_variant(variant)
     if variant == "bn":
         return model
     if variant == "syncbn_dist":
@@ -142,6 +282,8 @@ def build_variant(variant: str, base: nn.Module, dedicated_group: Optional[Any] 
         return syncbn_dist.convert_model(model, process_group=dedicated_group)
     if variant == "naive":
         return _replace_batchnorm(model, _naive_from(None))
+    if variant == "floor":
+        return _replace_batchnorm(model, _floor_from(None))
     if variant == "torch_syncbn":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     raise ValueError(f"expected a variant in {VARIANTS} (got {variant!r})")

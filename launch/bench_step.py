@@ -1,16 +1,18 @@
-"""The training-step benchmark worker: DDP step time, collectives, communication floor and peak memory.
+"""The training-step benchmark worker: DDP step time, collectives, ops, communication floors and peak memory.
 
 One launch measures every variant at one world size. Each rank builds one DDP model per variant from the
-same initial weights and its own fixed batch, then:
+same initial weights and its own fixed batch (a ``_compiled`` variant is ``torch.compile`` of its DDP model,
+the scenario's ``compile_backend``, compiled during warm-up), then:
 
 1. warms every variant up;
 2. runs one step of each variant under a :class:`~bench_dist.CollectiveCounter` (collectives per step and
-   bytes per collective, counted, by phase);
-3. runs ``rounds`` interleaved rounds (``A B C floor, B C A floor, C A B floor, ...``: every variant once per
+   bytes per collective, counted, by phase), and one under ``tests/op_counting.py``'s ``OpCounter`` (aten
+   ops dispatched per step: on a GPU each is a kernel launch or host-side work);
+3. runs ``rounds`` interleaved rounds (``A B C probe, B C A probe, C A B probe, ...``: every variant once per
    round, the starting one rotating) so that machine drift and position effects hit every variant alike. A
-   variant's time in a round is the mean of ``steps_per_round`` steps, the slowest rank's. The floor probe
-   times ``floor_repeats`` back-to-back ``all_reduce`` calls of each payload size that (b) sends, on DDP's
-   group;
+   variant's time in a round is the mean of ``steps_per_round`` steps, the slowest rank's. The in-step floor
+   is the ``floor`` variant, timed like the others; the back-to-back probe times ``floor_repeats``
+   back-to-back ``all_reduce`` calls of each payload size that (b) sends, on DDP's group;
 4. measures peak memory of each variant (see :func:`_measure_memory`);
 5. optionally profiles one step of (a) and (b).
 
@@ -21,9 +23,11 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib.util
 import inspect
 import json
 import os
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -33,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bench_dist import CollectiveCounter
-from bench_models import BenchNet, build_variant
+from bench_models import COMPILED_SUFFIX, build_model, build_variant
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
@@ -42,10 +46,24 @@ _MIB = 2.0**20
 _DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
 
 
+def load_op_counter() -> type:
+    """The test suite's ``OpCounter`` (tests/op_counting.py), the one op counter of the project."""
+    name = "syncbn_bench_op_counting"
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "op_counting.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name].OpCounter
+
+
 class _Runner:
     """One variant's DDP model, optimizer and fixed batch; :meth:`step` is one training step."""
 
-    def __init__(self, model: nn.Module, device: torch.device, scenario: dict[str, Any], x: Any, y: Any) -> None:
+    def __init__(
+        self, model: nn.Module, device: torch.device, scenario: dict[str, Any], x: Any, y: Any, compiled: bool
+    ) -> None:
         device_ids = [device.index] if device.type == "cuda" else None
         # Newer torch renames broadcast_buffers to forward_sync_buffers (and warns on the old name).
         key = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMETERS else "broadcast_buffers"
@@ -55,6 +73,10 @@ class _Runner:
             bucket_cap_mb=scenario["bucket_cap_mb"],
             **{key: scenario["broadcast_buffers"]},
         )
+        # torch.compile of the DDP module: dynamo's DDP optimizer splits the graph at gradient buckets, as
+        # PyTorch recommends for DDP; the BatchNorm layers add no break of their own (tests/test_compile.py).
+        backend = scenario["compile_backend"]
+        self.forward = torch.compile(self.model, backend=backend, dynamic=False) if compiled else self.model
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.x, self.y = x, y
 
@@ -62,7 +84,7 @@ class _Runner:
         self.optimizer.zero_grad(set_to_none=True)
         if counter is not None:
             counter.phase = "forward"
-        loss = F.cross_entropy(self.model(self.x), self.y)
+        loss = F.cross_entropy(self.forward(self.x), self.y)
         if counter is not None:
             counter.phase = "backward"
         loss.backward()
@@ -214,7 +236,9 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
     skipped = [v for v in scenario["variants"] if v not in variants]
 
     torch.manual_seed(scenario["seed"])
-    base = BenchNet(scenario["in_channels"], scenario["width"], scenario["num_layers"], scenario["num_classes"])
+    base = build_model(
+        scenario["model"], scenario["in_channels"], scenario["width"], scenario["num_layers"], scenario["num_classes"]
+    )
     base = base.to(device)
     generator = torch.Generator().manual_seed(scenario["seed"] + 1 + rank)
     shape = (scenario["batch_size"], scenario["in_channels"], scenario["image_size"], scenario["image_size"])
@@ -222,19 +246,35 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
     y = torch.randint(scenario["num_classes"], (scenario["batch_size"],), generator=generator).to(device)
     # Created once, collectively, and shared by every layer of the dedicated-group variant (P5).
     dedicated = dist.new_group(list(range(world_size))) if "syncbn_dist_dedicated" in variants else None
-    runners = {v: _Runner(build_variant(v, base, dedicated), device, scenario, x, y) for v in variants}
+    runners = {
+        v: _Runner(build_variant(v, base, dedicated), device, scenario, x, y, v.endswith(COMPILED_SUFFIX))
+        for v in variants
+    }
 
     stages = {"setup": time.perf_counter() - started}
     mark = time.perf_counter()
-    for runner in runners.values():
+    compile_seconds: dict[str, float] = {}
+    graph_breaks: dict[str, int] = {}
+    for name, runner in runners.items():
+        torch._dynamo.utils.counters.clear()
+        warm = time.perf_counter()
         for _ in range(scenario["warmup_steps"]):
             runner.step()
+        if name.endswith(COMPILED_SUFFIX):
+            compile_seconds[name] = time.perf_counter() - warm
+            graph_breaks[name] = sum(torch._dynamo.utils.counters["graph_break"].values())
 
     collectives: dict[str, list[dict[str, Any]]] = {}
     for name, runner in runners.items():
         with CollectiveCounter() as counter:
             runner.step(counter)
         collectives[name] = counter.calls
+    op_counter = load_op_counter()
+    ops: dict[str, int] = {}
+    for name, runner in runners.items():
+        with op_counter() as counter:
+            runner.step()
+        ops[name] = counter.total
 
     # The floor: one all_reduce per collective that (b) sends, at its payload size, on DDP's group.
     probe_source = collectives.get("syncbn_dist", [])
@@ -261,6 +301,8 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
 
     for name in variants:
         times[name] = _max_over_ranks(times[name], device)
+    if compile_seconds:
+        compile_seconds = dict(zip(compile_seconds, _max_over_ranks(list(compile_seconds.values()), device)))
     for key in probes:
         probe_times[key] = _max_over_ranks(probe_times[key], device)
 
@@ -287,6 +329,9 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
         "skipped_variants": skipped,
         "step_seconds": times,
         "collectives": collectives,
+        "ops_per_step": ops,
+        "compile_seconds": compile_seconds,
+        "graph_breaks": graph_breaks,
         "floor_probes": [
             {"bytes": key[0], "dtype": key[1], "per_step": sizes[key], "seconds": probe_times[key]} for key in probes
         ],
