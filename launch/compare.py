@@ -112,9 +112,10 @@ class CompareConfig:
     lr: float = _positive(0.1)
     lr_batch: int = _positive(64)
     lr_scaling: Literal["sqrt", "linear", "constant"] = "sqrt"
-    # false: train.py's head without BatchNorm1d at every point (plain BatchNorm1d cannot train on one image per
-    # rank); true is refused when batch_sizes holds 1.
-    head_bn: bool = False
+    # true: train.py's Linear-BatchNorm1d head at every point with 2 or more images per rank; at 1 image per rank
+    # the head has no BatchNorm1d in all three runs (plain BatchNorm1d cannot train on one value per channel).
+    # false: no BatchNorm1d at any point.
+    head_bn: bool = True
     # 0 so that the runs can be equal: train.py draws dropout masks from seed + rank, which no split of the
     # batch over ranks reproduces in one process.
     dropout: float = field(default=0.0, metadata={"rule": ("in [0, 1)", lambda v: 0 <= v < 1)})
@@ -151,8 +152,8 @@ def load_config(path: str | Path | None, overrides: tuple[str, ...] | list[str] 
 
     Raises:
         train.ConfigError: if the file is missing or not a mapping, a key is unknown, a value has the wrong type
-            or is out of range, ``head_bn`` is true while ``batch_sizes`` holds 1, or ``train_overrides`` sets a
-            key this script sets per run; the message names the key.
+            or is out of range, or ``train_overrides`` sets a key this script sets per run; the message names the
+            key.
     """
     values: dict[str, Any] = {}
     if path is not None:
@@ -166,11 +167,6 @@ def load_config(path: str | Path | None, overrides: tuple[str, ...] | list[str] 
     for override in overrides:
         train._apply_override(values, override)
     cfg = train._build(CompareConfig, values)
-    if cfg.head_bn and 1 in cfg.batch_sizes:
-        raise train.ConfigError(
-            "config key 'head_bn': plain per-rank BatchNorm1d cannot train on 1 image per rank (one value per "
-            "channel); set head_bn=false or drop 1 from batch_sizes"
-        )
     for override in cfg.train_overrides:
         key = override.partition("=")[0]
         if key in _OWN_KEYS:
@@ -187,6 +183,12 @@ def learning_rate(cfg: CompareConfig, global_batch: int) -> float:
     arXiv:1706.02677)."""
     ratio = global_batch / cfg.lr_batch
     return cfg.lr * {"sqrt": math.sqrt(ratio), "linear": ratio, "constant": 1.0}[cfg.lr_scaling]
+
+
+def head_bn(cfg: CompareConfig, batch_size: int) -> bool:
+    """Whether the head has BatchNorm1d at ``batch_size`` images per rank (the same in the three runs of a point):
+    ``cfg.head_bn``, except at 1 image per rank, where plain BatchNorm1d would see one value per channel."""
+    return cfg.head_bn and batch_size > 1
 
 
 def run_dir(cfg: CompareConfig, mode: str, batch_size: int, seed: int) -> Path:
@@ -215,7 +217,7 @@ def run_overrides(
         f"data.batch_size={global_batch if mode == 'single_bn' else batch_size}",
         f"model.dropout={cfg.dropout}",
         f"model.sync_bn={str(mode == 'sync_bn').lower()}",
-        f"model.head_bn={str(cfg.head_bn).lower()}",
+        f"model.head_bn={str(head_bn(cfg, batch_size)).lower()}",
         f"train.epochs={cfg.epochs}",
         f"train.lr={learning_rate(cfg, global_batch)!r}",
     ]
@@ -655,6 +657,7 @@ def collect(cfg: CompareConfig, same_batches: dict[int, bool], times: dict[str, 
                 "batch_size": b,
                 "global_batch_size": cfg.nproc * b,
                 "lr": learning_rate(cfg, cfg.nproc * b),
+                "head_bn": head_bn(cfg, b),
                 "same_global_batches": same_batches[b],
                 "runs": runs,
                 "final_test_acc": {mode: spread([r["final_test_acc"] for r in rs]) for mode, rs in runs.items()},
@@ -712,7 +715,7 @@ def _plot_sweep(ax: Any, result: dict[str, Any], key: str, scale: float, names: 
             seeds = [scale * r[key] for r in p["runs"][mode]]
             ax.scatter([xi] * len(seeds), seeds, color=STYLES[mode]["color"], alpha=0.3, s=12)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [str(v) for v in xs])
+    ax.set_xticks(xs, [point_label(result["config"], p) for p in points])
     ax.grid(alpha=0.3)
     ax.legend()
 
@@ -768,18 +771,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
     cfg = result["config"]
     w, n = cfg["nproc"], len(cfg["seeds"])
     names = {mode: LABELS[mode].format(w=w) for mode in MODES}
+    star = "; *: head without BatchNorm1d" if any(cfg["head_bn"] and not p["head_bn"] for p in result["points"]) else ""
     fig, ((acc_ax, loss_ax), (eq_ax, diff_ax)) = plt.subplots(2, 2, figsize=(13, 9.5))
     _plot_sweep(acc_ax, result, "final_test_acc", 100.0, names)
     acc_ax.set(
         title=f"final test accuracy (mean; bars: min-max over {n} seeds)",
-        xlabel=f"images per rank (global batch = {w} x images per rank)",
+        xlabel=f"images per rank (global batch = {w} x images per rank{star})",
         ylabel="test accuracy (%)",
     )
     _plot_sweep(loss_ax, result, "final_loss", 1.0, names)
     loss_ax.set_yscale("log")
     loss_ax.set(
         title=f"final training loss (mean over the last epoch; bars: min-max over {n} seeds)",
-        xlabel=f"images per rank (global batch = {w} x images per rank)",
+        xlabel=f"images per rank (global batch = {w} x images per rank{star})",
         ylabel="cross-entropy",
     )
     _plot_equivalence(eq_ax, diff_ax, result)
@@ -801,6 +805,11 @@ def _pct(x: float) -> str:
     return f"{100 * x:.2f} %"
 
 
+def point_label(cfg: dict[str, Any], point: dict[str, Any]) -> str:
+    """The per-rank batch, starred where the head lacks the BatchNorm1d that the other points have."""
+    return f"{point['batch_size']}{'*' if cfg['head_bn'] and not point['head_bn'] else ''}"
+
+
 def mean_pm(s: dict[str, float], percent: bool) -> str:
     """``mean ± std`` of a :func:`spread`, in percent or to 4 decimals."""
     if percent:
@@ -816,7 +825,18 @@ def summary(result: dict[str, Any], figure: str) -> str:
     times = result["wall_time_s"]
     total = times.get("total")
     took = f"took {total / 60:.1f} min" if total is not None else "(wall time not recorded)"
-    head = "train.py's head with BatchNorm1d" if cfg["head_bn"] else "train.py's head without BatchNorm1d"
+    if cfg["head_bn"]:
+        head = (
+            "train.py's (three conv-BatchNorm2d blocks and a Linear-BatchNorm1d head) at 2 images per rank and "
+            "more; at 1 image per rank (marked *) its head has no BatchNorm1d (`model.head_bn=false`) in all three "
+            "runs, because plain BatchNorm1d cannot train on the one value per channel it would see: that point "
+            "compares the conv layers' BatchNorm2d alone"
+        )
+    else:
+        head = (
+            "train.py's with a head without BatchNorm1d (`model.head_bn=false`) at every point; the three conv "
+            "layers keep BatchNorm2d"
+        )
     lines = [
         "# Plain vs synchronized BatchNorm as the per-rank batch shrinks",
         "",
@@ -824,9 +844,7 @@ def summary(result: dict[str, Any], figure: str) -> str:
         f"rank; at each point plain per-rank BatchNorm, syncbn_dist, and BatchNorm in one process at the same "
         f"global batch, seeds {', '.join(map(str, seeds))}. Every run: {cfg['epochs']} epochs, dropout "
         f"{cfg['dropout']}, SGD with Nesterov momentum and a cosine schedule from train.py, learning rate "
-        f"{result['lr_rule']}, the same at every point for the three. The model is {head} "
-        f"(`model.head_bn={str(cfg['head_bn']).lower()}`) at every point: plain BatchNorm1d cannot train on one "
-        f"value per channel, which is what one image per rank gives it; the three conv layers keep BatchNorm2d. "
+        f"{result['lr_rule']}, the same at every point for the three. The model is {head}. "
         f"`make compare` (`python launch/compare.py --config configs/compare.yaml`) {took} (wall time, every "
         f"process's start-up included; {_cpu_count()} CPU cores, {w} processes).",
         "",
@@ -840,7 +858,7 @@ def summary(result: dict[str, Any], figure: str) -> str:
     ]
     for p in points:
         acc = p["final_test_acc"]
-        lines.append(f"| {p['batch_size']} | " + " | ".join(mean_pm(acc[m], True) for m in MODES) + " |")
+        lines.append(f"| {point_label(cfg, p)} | " + " | ".join(mean_pm(acc[m], True) for m in MODES) + " |")
     lines += [
         "",
         "Final training loss (mean over the last epoch), and the run settings:",
@@ -853,7 +871,7 @@ def summary(result: dict[str, Any], figure: str) -> str:
         loss = p["final_loss"]
         steps = p["runs"]["sync_bn"][0]["steps_per_epoch"]
         lines.append(
-            f"| {p['batch_size']} | {p['global_batch_size']} | {p['lr']:.4g} | {steps} | "
+            f"| {point_label(cfg, p)} | {p['global_batch_size']} | {p['lr']:.4g} | {steps} | "
             + " | ".join(mean_pm(loss[m], False) for m in MODES)
             + " |"
         )

@@ -17,6 +17,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 import torch
+import yaml
 from launch_scripts import load_script
 from launcher import run_distributed
 from torch.utils.data import DistributedSampler
@@ -149,7 +150,7 @@ def test_same_global_batches_compares_train_py_loaders() -> None:
 
 def test_shipped_config_sweeps_the_per_rank_batch_at_equal_global_batches() -> None:
     cfg = compare.load_config(ROOT / "configs" / "compare.yaml")
-    assert (cfg.nproc, cfg.batch_sizes, cfg.dropout, cfg.head_bn) == (4, [1, 2, 4, 8, 16], 0.0, False)
+    assert (cfg.nproc, cfg.batch_sizes, cfg.dropout, cfg.head_bn) == (4, [1, 2, 4, 8, 16], 0.0, True)
     assert len(cfg.seeds) >= 3
     # The rule, by hand: 0.1 x sqrt(global batch / 64) at global batches 4, 8, 16, 32, 64.
     expected_lr = {1: 0.025, 2: 0.1 / 8**0.5, 4: 0.05, 8: 0.1 / 2**0.5, 16: 0.1}
@@ -162,7 +163,8 @@ def test_shipped_config_sweeps_the_per_rank_batch_at_equal_global_batches() -> N
         assert [resolved[m].model.sync_bn for m in compare.MODES] == [False, True, False]
         for mode, c in resolved.items():
             assert c.train.lr == pytest.approx(expected_lr[b], rel=1e-12), (b, mode)  # float rounding only
-            assert (c.model.head_bn, c.model.dropout, c.train.epochs, c.seed) == (False, 0.0, cfg.epochs, 0)
+            # BatchNorm1d in the head except at 1 image per rank, where plain BatchNorm1d cannot train.
+            assert (c.model.head_bn, c.model.dropout, c.train.epochs, c.seed) == (b > 1, 0.0, cfg.epochs, 0)
         # Everything but the output directory, the split of the batch and the sync is the same in the three runs.
         for c in resolved.values():
             c.output_dir, c.data.batch_size, c.model.sync_bn = "", 0, False
@@ -195,7 +197,7 @@ def test_spread_over_seeds() -> None:
         ("batch_sizes=[0, 2]", "config key 'batch_sizes'"),
         ("seeds=[1, 1]", "config key 'seeds'"),
         ("lr_scaling=cubic", "config key 'lr_scaling'"),
-        ("head_bn=true", "config key 'head_bn': plain per-rank BatchNorm1d cannot train on 1 image"),
+        ("head_bn=1", "config key 'head_bn': expected bool"),
         ("train_overrides=[model.sync_bn=true]", "config key 'train_overrides': 'model.sync_bn'"),
         ("train_overrides=[model.widht=8]", "unknown config key 'model.widht'"),  # checked on train.py's config
     ],
@@ -237,7 +239,7 @@ def test_compare_sweep_writes_every_run_figure_and_summary(tmp_path: Path) -> No
         b = point["batch_size"]
         lr = 0.1 * (2 * b / 64) ** 0.5  # configs/compare.yaml's rule at global batch 2b
         assert point["global_batch_size"] == 2 * b and point["lr"] == pytest.approx(lr, rel=1e-12)
-        assert point["same_global_batches"] is True
+        assert point["same_global_batches"] is True and point["head_bn"] is (b > 1)
         for mode, world_size, transport in (("plain_bn", 2, []), ("sync_bn", 2, ["distributed"]), ("single_bn", 1, [])):
             runs = point["runs"][mode]
             assert [r["seed"] for r in runs] == [0, 1]
@@ -248,12 +250,14 @@ def test_compare_sweep_writes_every_run_figure_and_summary(tmp_path: Path) -> No
                 assert (r["world_size"], r["global_batch_size"], r["bn_transport"]) == (world_size, 2 * b, transport)
                 assert r["lr"] == pytest.approx(lr, rel=1e-12)  # the same rule for the three modes
                 assert r["wall_time_s"] > 0 and f"--set seed={r['seed']}" in r["command"]
+                run_config = yaml.safe_load((out / f"b{b}" / mode / f"seed{r['seed']}" / "config.yaml").read_text())
+                assert run_config["model"]["head_bn"] is (b > 1)  # no BatchNorm1d head at 1 image per rank
             acc = [r["final_test_acc"] for r in runs]
             mean, std = sum(acc) / 2, abs(acc[0] - acc[1]) / 2**0.5  # the sample std of two values
             assert point["final_test_acc"][mode]["mean"] == pytest.approx(mean, abs=1e-12)  # rounding only
             assert point["final_test_acc"][mode]["std"] == pytest.approx(std, abs=1e-12)
-        row = f"| {b} | " + " | ".join(compare.mean_pm(point["final_test_acc"][m], True) for m in compare.MODES)
-        assert row in text
+        cells = [compare.mean_pm(point["final_test_acc"][m], True) for m in compare.MODES]
+        assert f"| {b if b > 1 else '1*'} | " + " | ".join(cells) + " |" in text  # * : no BatchNorm1d head
 
     assert sorted(result["equivalence"]) == ["float32", "float64"]
     for dtype, bound in (("float32", 1e-5), ("float64", 1e-12)):
