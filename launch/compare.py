@@ -771,19 +771,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
     cfg = result["config"]
     w, n = cfg["nproc"], len(cfg["seeds"])
     names = {mode: LABELS[mode].format(w=w) for mode in MODES}
-    star = "; *: head without BatchNorm1d" if any(cfg["head_bn"] and not p["head_bn"] for p in result["points"]) else ""
+    star = "; *: no BatchNorm1d head" if any(cfg["head_bn"] and not p["head_bn"] for p in result["points"]) else ""
     fig, ((acc_ax, loss_ax), (eq_ax, diff_ax)) = plt.subplots(2, 2, figsize=(13, 9.5))
     _plot_sweep(acc_ax, result, "final_test_acc", 100.0, names)
     acc_ax.set(
-        title=f"final test accuracy (mean; bars: min-max over {n} seeds)",
-        xlabel=f"images per rank (global batch = {w} x images per rank{star})",
+        title=f"final test accuracy: mean, bars min-max over {n} seeds",
+        xlabel=f"images per rank (global batch {w} x that{star})",
         ylabel="test accuracy (%)",
     )
     _plot_sweep(loss_ax, result, "final_loss", 1.0, names)
     loss_ax.set_yscale("log")
     loss_ax.set(
-        title=f"final training loss (mean over the last epoch; bars: min-max over {n} seeds)",
-        xlabel=f"images per rank (global batch = {w} x images per rank{star})",
+        title=f"final training loss (last epoch): mean, bars min-max over {n} seeds",
+        xlabel=f"images per rank (global batch {w} x that{star})",
         ylabel="cross-entropy",
     )
     _plot_equivalence(eq_ax, diff_ax, result)
