@@ -889,7 +889,7 @@ def summary(result: dict[str, Any], figure: str) -> str:
             "(same_global_batches in compare.json), so the two agree only statistically: "
         )
         + f"the largest final test accuracy difference of a seed is "
-        f"{100 * worst['sync_vs_single']['final_test_acc']:.2f} points (at {worst['batch_size']} images per rank).",
+        f"{100 * worst['sync_vs_single']['final_test_acc']:.2f} points (at {point_label(cfg, worst)} images per rank).",
     ]
 
     def maxima(eq: dict[str, Any], prefix: str = "") -> str:
@@ -914,12 +914,42 @@ def summary(result: dict[str, Any], figure: str) -> str:
         f"- `num_batches_tracked` equal after every step: "
         f"{'yes' if all(f32['num_batches_tracked_equal'] + f64['num_batches_tracked_equal']) else 'NO'}.",
         "",
-        "In float64 the two agree to rounding. In float32, training amplifies a rounding-level difference step "
-        "after step; the yardstick shows one process drifting as far from itself when only the order of summation "
-        "changes.",
+        _float32_story(f32, f64),
         "",
     ]
     return "\n".join(lines)
+
+
+def first_jump(values: list[float], factor: float = 10.0) -> int | None:
+    """The first step (1-based) after which ``values`` grew more than ``factor``-fold in one step, or None."""
+    for step in range(1, len(values)):
+        if values[step] > factor * max(values[step - 1], 1e-300):
+            return step + 1
+    return None
+
+
+def _float32_story(f32: dict[str, Any], f64: dict[str, Any]) -> str:
+    """What the float32 differences do, from the numbers: rounding level throughout, or a jump and where."""
+    steps = len(f32["params"])
+    text = f"In float64 the two agree to rounding over all {steps} steps (parameters {max(f64['params']):.1g}). "
+    jump, control = first_jump(f32["params"]), first_jump(f32["control_params"])
+    if jump is None:
+        return text + f"In float32 they stay at rounding level too (parameters {max(f32['params']):.1g})."
+    before, after = f32["params"][jump - 2], f32["params"][jump - 1]
+    text += (
+        f"In float32 they agree to rounding until step {jump}, where the parameters' difference jumps from "
+        f"{before:.1g} to {after:.1g} in one step, most likely a rounding-level difference tipping a discrete "
+        "choice (a ReLU or a max-pool) the other way; training carries the difference on from there. "
+    )
+    if control is None:
+        return text + (
+            f"The yardstick has no such jump within these {steps} steps (parameters "
+            f"{max(f32['control_params']):.1g}); where such a branch falls is a matter of luck."
+        )
+    return text + (
+        f"The yardstick, in which only the order of summation changes, jumps the same way at step {control} "
+        f"({f32['control_params'][control - 2]:.1g} to {f32['control_params'][control - 1]:.1g})."
+    )
 
 
 def report(cfg: CompareConfig, same_batches: dict[int, bool], times: dict[str, float]) -> dict[str, Any]:
