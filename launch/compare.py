@@ -525,9 +525,8 @@ def train_runs(cfg: CompareConfig, runtime: Any, runs: list[tuple[str, int, int]
         with _RunLog(Path(run_cfg.output_dir) / "log.txt", runtime.rank == 0):
             train.run(run_cfg, runtime)
         times[f"b{b}/{mode}/seed{seed}"] = time.perf_counter() - start
-        stopped = torch.tensor([0], dtype=torch.int64)
-        if runtime.rank == 0:
-            stopped[0] = "stopped_at" in json.loads((Path(run_cfg.output_dir) / "metrics.json").read_text())
+        metrics = json.loads((Path(run_cfg.output_dir) / "metrics.json").read_text()) if runtime.rank == 0 else {}
+        stopped = torch.tensor(["stopped_at" in metrics], dtype=torch.int64, device=runtime.device)  # nccl: on GPU
         if runtime.world_size > 1:
             dist.all_reduce(stopped, op=dist.ReduceOp.MAX)  # every rank stops the sweep together
         if stopped.item():
