@@ -111,12 +111,15 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    """The CNN: three conv-BatchNorm2d blocks and a Linear-BatchNorm1d head."""
+    """The CNN: three conv-BatchNorm2d blocks and a Linear-BatchNorm1d head (or a Linear head without BatchNorm)."""
 
     width: int = _positive(32)  # channels of the first block; later layers use 2x and 4x
     dropout: float = _fraction(0.1, "in [0, 1)", lambda v: 0 <= v < 1)
     bn_momentum: float = _fraction(0.1, "in (0, 1]", lambda v: 0 < v <= 1)
     sync_bn: bool = True  # false keeps plain per-rank BatchNorm (the baseline of `make compare`)
+    # false: the head's hidden Linear has a bias and no BatchNorm1d. Plain per-rank BatchNorm1d cannot train on
+    # one image per rank (one value per channel: torch raises); the conv layers' BatchNorm2d still can.
+    head_bn: bool = True
 
 
 @dataclass
@@ -427,7 +430,8 @@ def _conv_bn(in_channels: int, out_channels: int, bn_momentum: float) -> nn.Sequ
 
 
 class DigitsNet(nn.Module):
-    """A CNN for 1x8x8 digits: conv-BN-ReLU x2, pool, conv-BN-ReLU, pool, then Linear-BatchNorm1d-ReLU-Linear.
+    """A CNN for 1x8x8 digits: conv-BN-ReLU x2, pool, conv-BN-ReLU, pool, then Linear-BatchNorm1d-ReLU-Linear
+    (Linear-ReLU-Linear with ``cfg.head_bn`` false).
 
     Shape:
         - Input: (N, 1, 8, 8)
@@ -444,10 +448,11 @@ class DigitsNet(nn.Module):
             _conv_bn(w, 2 * w, m),
             nn.MaxPool2d(2),  # 4x4 -> 2x2
         )
+        head_bn = [nn.BatchNorm1d(4 * w, momentum=m)] if cfg.head_bn else []
         self.head = nn.Sequential(
             nn.Flatten(),
-            nn.Linear(2 * w * 4, 4 * w, bias=False),
-            nn.BatchNorm1d(4 * w, momentum=m),
+            nn.Linear(2 * w * 4, 4 * w, bias=not cfg.head_bn),
+            *head_bn,
             nn.ReLU(inplace=True),
             nn.Dropout(cfg.dropout),
             nn.Linear(4 * w, num_classes),

@@ -17,6 +17,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 import torch
+import yaml
 from launch_scripts import load_script
 from launcher import run_distributed
 from torch.utils.data import DistributedSampler
@@ -124,50 +125,65 @@ def test_global_batches_are_what_one_process_draws_at_world_size_times_batch(
 
 
 def test_same_global_batches_compares_train_py_loaders() -> None:
-    cfg = compare.load_config(ROOT / "configs" / "compare.yaml", ["nproc=2", "batch_size=64"])
-    overrides = compare.run_overrides(cfg, "single_bn")
-    single = train.load_config(cfg.train_config, overrides)
+    cfg = compare.load_config(ROOT / "configs" / "compare.yaml", ["nproc=2"])
+    single, ranks, reseeded_ranks = (
+        train.load_config(cfg.train_config, compare.run_overrides(cfg, mode, 64, seed))
+        for mode, seed in (("single_bn", 0), ("sync_bn", 0), ("sync_bn", 1))
+    )
+    assert (single.data.batch_size, ranks.data.batch_size) == (128, 64)
     assert compare.same_global_batches(single, single, 1)  # one process against itself
-    reseeded = train.load_config(cfg.train_config, [*overrides, "seed=1"])
+    reseeded = train.load_config(cfg.train_config, compare.run_overrides(cfg, "single_bn", 64, 1))
     assert not compare.same_global_batches(single, reseeded, 1)  # another shuffle: other batches
-    halved = train.load_config(cfg.train_config, [*overrides, "data.batch_size=64"])
-    assert not compare.same_global_batches(single, halved, 1)  # other batch sizes
-    # Two ranks x 64 against one process x 128: exactly when train.py shards one process as a one-replica
-    # DistributedSampler would (see compare.global_batches); the answer must follow train.py's loaders.
-    ranks = train.load_config(cfg.train_config, compare.run_overrides(cfg, "sync_bn"))
-    loaders = [train.build_loaders(ranks, train.Runtime(r, 2, torch.device("cpu"), False), 1) for r in (0, 1)]
-    single_loader, _, single_sampler = train.build_loaders(single, train.Runtime(0, 1, torch.device("cpu"), False), 1)
-    expected = True
-    for epoch in (1, 2):
-        for _, _, sampler in [*loaders, (None, None, single_sampler)]:
-            if sampler is not None:
-                sampler.set_epoch(epoch)
-        labels = [
-            sorted(torch.cat([b[1] for b in batches]).tolist())
-            for batches in zip(*(loader for loader, _, _ in loaders))
-        ]
-        expected &= labels == [sorted(b[1].tolist()) for b in single_loader]
-    assert compare.same_global_batches(ranks, single, 2) == expected
+    assert not compare.same_global_batches(single, ranks, 1)  # one process at 128 against one at 64
+    # Two ranks x 64 against one process x 128: the same batches. train.py shards with DistributedSampler, whose
+    # permutation depends on (seed, epoch) only and which gives rank r the positions r, r + 2, ... of it, so the
+    # union of the ranks' k-th batches is positions 128k .. 128k + 127, one process's k-th batch (see
+    # compare.global_batches). A loader that shuffled otherwise in one process would break this.
+    assert compare.same_global_batches(ranks, single, 2)
+    assert not compare.same_global_batches(reseeded_ranks, single, 2)  # the ranks on another seed
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Config.
+# Config and the learning-rate rule.
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_shipped_config_loads_and_documents_its_command() -> None:
-    path = ROOT / "configs" / "compare.yaml"
-    cfg = compare.load_config(path)
-    assert (cfg.nproc, cfg.batch_size, cfg.dropout) == (4, 4, 0.0)  # tiny per-rank batches, comparable runs
-    header = path.read_text().split("\n\n")[0]
-    assert all(line.startswith("#") for line in header.splitlines())
-    assert "python launch/compare.py --config configs/compare.yaml" in header and "--set " in header
-    overrides = {run: compare.run_overrides(cfg, run) for run in compare.RUNS}
-    resolved = {run: train.load_config(cfg.train_config, o) for run, o in overrides.items()}
-    assert [resolved[r].data.batch_size * compare.run_nproc(cfg, r) for r in compare.RUNS] == [16, 16, 16]
-    assert [resolved[r].model.sync_bn for r in compare.RUNS] == [False, True, False]
-    for field in ("seed", "train", "device"):  # everything else is the same in the three runs
-        assert len({repr(getattr(c, field)) for c in resolved.values()}) == 1, field
+def test_shipped_config_sweeps_the_per_rank_batch_at_equal_global_batches() -> None:
+    cfg = compare.load_config(ROOT / "configs" / "compare.yaml")
+    assert (cfg.nproc, cfg.batch_sizes, cfg.dropout, cfg.head_bn) == (4, [1, 2, 4, 8, 16], 0.0, True)
+    assert len(cfg.seeds) >= 3
+    # The rule, by hand: 0.1 x sqrt(global batch / 64) at global batches 4, 8, 16, 32, 64.
+    expected_lr = {1: 0.025, 2: 0.1 / 8**0.5, 4: 0.05, 8: 0.1 / 2**0.5, 16: 0.1}
+    for b in cfg.batch_sizes:
+        resolved = {
+            mode: train.load_config(cfg.train_config, compare.run_overrides(cfg, mode, b, cfg.seeds[0]))
+            for mode in compare.MODES
+        }
+        assert [resolved[m].data.batch_size * compare.run_nproc(cfg, m) for m in compare.MODES] == [4 * b] * 3
+        assert [resolved[m].model.sync_bn for m in compare.MODES] == [False, True, False]
+        for mode, c in resolved.items():
+            assert c.train.lr == pytest.approx(expected_lr[b], rel=1e-12), (b, mode)  # float rounding only
+            # BatchNorm1d in the head except at 1 image per rank, where plain BatchNorm1d cannot train.
+            assert (c.model.head_bn, c.model.dropout, c.train.epochs, c.seed) == (b > 1, 0.0, cfg.epochs, 0)
+        # Everything but the output directory, the split of the batch and the sync is the same in the three runs.
+        for c in resolved.values():
+            c.output_dir, c.data.batch_size, c.model.sync_bn = "", 0, False
+        assert len({repr(c) for c in resolved.values()}) == 1, b
+
+
+@pytest.mark.parametrize(("scaling", "lr"), [("sqrt", 0.05), ("linear", 0.025), ("constant", 0.1)])
+def test_learning_rate_rule(scaling: str, lr: float) -> None:
+    cfg = compare.load_config(None, ["lr=0.1", "lr_batch=64", f"lr_scaling={scaling}"])
+    assert compare.learning_rate(cfg, 16) == pytest.approx(lr, rel=1e-12)  # float rounding only
+    assert compare.learning_rate(cfg, 64) == pytest.approx(0.1, rel=1e-12)
+
+
+def test_spread_over_seeds() -> None:
+    s = compare.spread([0.5, 0.9, 0.7])
+    assert s["mean"] == pytest.approx(0.7) and s["std"] == pytest.approx(0.2)  # sample std (n - 1) of 0.5, 0.7, 0.9
+    assert (s["min"], s["max"], s["n"]) == (0.5, 0.9, 3)
+    assert compare.spread([0.4])["std"] == 0.0
+    assert compare.mean_pm(s, True) == "70.0 ± 20.0 %"
 
 
 @pytest.mark.parametrize(
@@ -177,6 +193,13 @@ def test_shipped_config_loads_and_documents_its_command() -> None:
         ("nproc=0", "config key 'nproc': expected a value > 0"),
         ("dropout=1", "config key 'dropout'"),
         ("device=tpu", "config key 'device'"),
+        ("batch_sizes=[]", "config key 'batch_sizes'"),
+        ("batch_sizes=[0, 2]", "config key 'batch_sizes'"),
+        ("seeds=[1, 1]", "config key 'seeds'"),
+        ("lr_scaling=cubic", "config key 'lr_scaling'"),
+        ("head_bn=1", "config key 'head_bn': expected bool"),
+        ("train_overrides=[model.sync_bn=true]", "config key 'train_overrides': 'model.sync_bn'"),
+        ("train_overrides=[model.widht=8]", "unknown config key 'model.widht'"),  # checked on train.py's config
     ],
 )
 def test_bad_config_fails_before_anything_runs(tmp_path: Path, override: str, message: str, capsys) -> None:
@@ -193,37 +216,58 @@ def test_bad_config_fails_before_anything_runs(tmp_path: Path, override: str, me
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_compare_writes_figure_summary_and_numbers_from_real_runs(tmp_path: Path) -> None:
+def test_compare_sweep_writes_every_run_figure_and_summary(tmp_path: Path) -> None:
+    # The sweep's plumbing on a tiny setting: 2 ranks x 1 and 4 images, 2 seeds, 1 epoch on 179 training images.
     out, report = tmp_path / "out", tmp_path / "report"
-    args = ["--config", "configs/compare.yaml", "--set", "nproc=2", "--set", "batch_size=32", "--set", "epochs=1"]
-    args += ["--set", "equivalence_steps=3", "--set", f"output_dir={out}", "--set", f"report_dir={report}"]
+    sets = ["nproc=2", "batch_sizes=[1, 4]", "seeds=[0, 1]", "epochs=1", "train_overrides=[data.test_fraction=0.9]"]
+    sets += ["equivalence_steps=2", f"output_dir={out}", f"report_dir={report}"]
+    args = ["--config", "configs/compare.yaml", *(a for s in sets for a in ("--set", s))]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(
         [sys.executable, "launch/compare.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280
     )
     assert proc.returncode == 0, f"compare failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     assert sorted(p.name for p in report.iterdir()) == ["compare.json", "compare.md", "compare.png"]
+    progress = ("2 ranks", "1/rank plain_bn seed 0", "4/rank sync_bn seed 1", "1 process", "4/rank single_bn seed 1")
+    for postfix in progress:
+        assert postfix in proc.stderr  # the progress bars name the run in progress
 
     result = json.loads((report / "compare.json").read_text())
-    for run in compare.RUNS:  # the report's numbers are the runs' own
-        metrics = json.loads((out / run / "metrics.json").read_text())
-        assert result["runs"][run]["final_test_acc"] == metrics["final_test_acc"]
-        assert result["runs"][run]["global_batch_size"] == 64
-    assert result["runs"]["sync_bn"]["bn_transport"] == ["distributed"]
-    assert result["runs"]["plain_bn"]["bn_transport"] == []  # plain BatchNorm: no synchronized layer
+    text = (report / "compare.md").read_text()
+    assert [p["batch_size"] for p in result["points"]] == [1, 4]
+    for point in result["points"]:
+        b = point["batch_size"]
+        lr = 0.1 * (2 * b / 64) ** 0.5  # configs/compare.yaml's rule at global batch 2b
+        assert point["global_batch_size"] == 2 * b and point["lr"] == pytest.approx(lr, rel=1e-12)
+        assert point["same_global_batches"] is True and point["head_bn"] is (b > 1)
+        for mode, world_size, transport in (("plain_bn", 2, []), ("sync_bn", 2, ["distributed"]), ("single_bn", 1, [])):
+            runs = point["runs"][mode]
+            assert [r["seed"] for r in runs] == [0, 1]
+            for r in runs:  # every number is the run's own, as train.py wrote it
+                metrics = json.loads((out / f"b{b}" / mode / f"seed{r['seed']}" / "metrics.json").read_text())
+                assert r["final_test_acc"] == metrics["final_test_acc"] == metrics["epochs"][-1]["test_acc"]
+                assert r["final_loss"] == metrics["epochs"][-1]["loss"]
+                assert (r["world_size"], r["global_batch_size"], r["bn_transport"]) == (world_size, 2 * b, transport)
+                assert r["lr"] == pytest.approx(lr, rel=1e-12)  # the same rule for the three modes
+                assert r["wall_time_s"] > 0 and f"--set seed={r['seed']}" in r["command"]
+                run_config = yaml.safe_load((out / f"b{b}" / mode / f"seed{r['seed']}" / "config.yaml").read_text())
+                assert run_config["model"]["head_bn"] is (b > 1)  # no BatchNorm1d head at 1 image per rank
+            acc = [r["final_test_acc"] for r in runs]
+            mean, std = sum(acc) / 2, abs(acc[0] - acc[1]) / 2**0.5  # the sample std of two values
+            assert point["final_test_acc"][mode]["mean"] == pytest.approx(mean, abs=1e-12)  # rounding only
+            assert point["final_test_acc"][mode]["std"] == pytest.approx(std, abs=1e-12)
+        cells = [compare.mean_pm(point["final_test_acc"][m], True) for m in compare.MODES]
+        assert f"| {b if b > 1 else '1*'} | " + " | ".join(cells) + " |" in text  # * : no BatchNorm1d head
+
     assert sorted(result["equivalence"]) == ["float32", "float64"]
     for dtype, bound in (("float32", 1e-5), ("float64", 1e-12)):
         eq = result["equivalence"][dtype]
-        assert (eq["world_size"], eq["batch_size"], eq["steps"], eq["dtype"]) == (2, 32, 3, dtype)
-        # Rounding only, over 3 steps (see test_syncbn_on_ranks_trains_like_batchnorm_on_the_global_batch).
+        assert (eq["world_size"], eq["batch_size"], eq["steps"], eq["dtype"]) == (2, 4, 2, dtype)
+        # Rounding only, over 2 steps (see test_syncbn_on_ranks_trains_like_batchnorm_on_the_global_batch).
         assert max(eq["loss"]) < bound and max(eq["params"]) < bound and max(eq["running_stats"]) < 100 * bound
+    assert f"parameters {max(result['equivalence']['float64']['params']):.1g}" in text
+    assert "![compare](compare.png)" in text
 
     image = matplotlib.image.imread(report / "compare.png")
     assert image.ndim == 3 and image.shape[0] > 500 and image.shape[1] > 800
     assert image[..., :3].std() > 0.05  # not a blank canvas
-
-    text = (report / "compare.md").read_text()
-    assert "![compare](compare.png)" in text
-    for run in compare.RUNS:
-        assert f"{100 * result['runs'][run]['final_test_acc']:.2f} %" in text
-    assert f"parameters {max(result['equivalence']['float64']['params']):.1g}" in text

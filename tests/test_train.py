@@ -148,6 +148,26 @@ def test_main_fails_fast_before_any_process_group(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The model.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_head_without_batchnorm_trains_on_one_image() -> None:
+    one_image = torch.randn(1, 1, 8, 8)
+    with_bn = train.DigitsNet(train.load_config(None, ["model.width=4"]).model).train()
+    with pytest.raises(ValueError, match="more than 1 value per channel"):  # torch's BatchNorm1d on (1, C)
+        with_bn(one_image)
+    assert any(isinstance(m, torch.nn.BatchNorm1d) for m in with_bn.modules())
+    net = train.DigitsNet(train.load_config(None, ["model.width=4", "model.head_bn=false"]).model).train()
+    assert not any(isinstance(m, torch.nn.BatchNorm1d) for m in net.modules())
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in net.modules()) == 3  # the conv blocks keep theirs
+    hidden = net.head[1]
+    assert hidden.bias is not None  # no BatchNorm shift after it: the Linear needs its own bias
+    net(one_image).sum().backward()
+    assert hidden.weight.grad is not None and hidden.weight.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The cross-rank check, on a real gloo group.
 # ---------------------------------------------------------------------------------------------------------
 
