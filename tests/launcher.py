@@ -12,6 +12,8 @@ Usage from a test module::
 Each worker runs in a fresh spawned process with the default process group initialized (gloo, file://
 rendezvous in a private temp dir, so no port races), one intra-op thread, and a collective timeout.
 A worker exception fails the test with the worker's traceback; a hang is killed after ``timeout``.
+
+Jobs that a test starts as subprocesses (torchrun, ``python launch/...``) get :func:`env_outside_torchrun`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,39 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# What torchrun's elastic agent sets in every worker's environment (torch/distributed/elastic/agent/server/
+# local_elastic_agent.py, _start_workers), besides the TORCHELASTIC_* prefix (run id, restarts, error file, timers).
+_TORCHRUN_VARIABLES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
+
+
+def env_outside_torchrun(**updates: str) -> dict[str, str]:
+    """A copy of ``os.environ`` without any torchrun/elastic variable, then ``updates``: a subprocess job's env.
+
+    A job started from a test run under torchrun (or from a shell that exported ``RANK``, ``MASTER_PORT``, ...)
+    would otherwise take itself for a rank of that outer launch, or a nested torchrun would reuse its port.
+    """
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in _TORCHRUN_VARIABLES and not key.startswith("TORCHELASTIC_")
+    }
+    env.update(updates)
+    return env
 
 
 def _entry(

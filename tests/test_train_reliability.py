@@ -27,7 +27,7 @@ from typing import Any, Callable
 import pytest
 import torch
 from launch_scripts import load_script
-from launcher import run_distributed
+from launcher import env_outside_torchrun, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -395,14 +395,6 @@ STANDALONE = [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
 JOB = ["model.width=8", "train.epochs=3", "progress_bar=false"]
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # CPU paths, whatever the machine
-    for key in list(env):
-        if key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") or key.startswith("TORCHELASTIC"):
-            del env[key]
-    return env
-
-
 class _Job:
     """One torchrun invocation of launch/train.py, its output in ``log``; killed with its workers on close."""
 
@@ -415,7 +407,7 @@ class _Job:
             self.proc = subprocess.Popen(
                 [*launcher, "launch/train.py", "--config", "configs/digits.yaml", *sets, *flags],
                 cwd=ROOT,
-                env=_env(),
+                env=env_outside_torchrun(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),  # CPU paths, on any machine
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
             )
