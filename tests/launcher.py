@@ -23,6 +23,7 @@ import pickle
 import tempfile
 import time
 import traceback
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -31,7 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # What torchrun's elastic agent sets in every worker's environment (torch/distributed/elastic/agent/server/
-# local_elastic_agent.py, _start_workers), besides the TORCHELASTIC_* prefix (run id, restarts, error file, timers).
+# local_elastic_agent.py, _start_workers), besides the TORCHELASTIC_* prefix (run id, restarts, error file, signals).
+# OMP_NUM_THREADS, which torchrun sets only when it is unset, is left to the caller.
 _TORCHRUN_VARIABLES = frozenset(
     {
         "RANK",
@@ -45,19 +47,21 @@ _TORCHRUN_VARIABLES = frozenset(
         "ROLE_WORLD_SIZE",
         "MASTER_ADDR",
         "MASTER_PORT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     }
 )
 
 
-def env_outside_torchrun(**updates: str) -> dict[str, str]:
-    """A copy of ``os.environ`` without any torchrun/elastic variable, then ``updates``: a subprocess job's env.
+def env_outside_torchrun(base: Mapping[str, str] | None = None, **updates: str) -> dict[str, str]:
+    """A copy of ``base`` (default ``os.environ``) without any variable torchrun sets for its workers, then
+    ``updates``: the environment of a job that a test starts as a subprocess.
 
     A job started from a test run under torchrun (or from a shell that exported ``RANK``, ``MASTER_PORT``, ...)
     would otherwise take itself for a rank of that outer launch, or a nested torchrun would reuse its port.
     """
     env = {
         key: value
-        for key, value in os.environ.items()
+        for key, value in (os.environ if base is None else base).items()
         if key not in _TORCHRUN_VARIABLES and not key.startswith("TORCHELASTIC_")
     }
     env.update(updates)

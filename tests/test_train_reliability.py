@@ -395,6 +395,26 @@ STANDALONE = [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
 JOB = ["model.width=8", "train.epochs=3", "progress_bar=false"]
 
 
+@pytest.mark.distributed
+def test_jobs_started_by_tests_inherit_nothing_from_torchrun() -> None:
+    # The environment torchrun really gives a worker (printed by the worker itself), against the one it started
+    # from: what env_outside_torchrun (the env of every job above and below) keeps must not include any of it.
+    outer = env_outside_torchrun(OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [*TORCHRUN, "--standalone", "--nproc_per_node=1", "--no-python", "env", "-0"],  # NUL-separated
+        env=outer,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    worker = dict(entry.split("=", 1) for entry in done.stdout.split("\0") if "=" in entry)
+    added = {key for key in worker if key not in outer}
+    assert {"RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} <= added  # it did run under torchrun
+    leaked = added & set(env_outside_torchrun(worker))
+    assert not leaked, leaked
+
+
 class _Job:
     """One torchrun invocation of launch/train.py, its output in ``log``; killed with its workers on close."""
 
