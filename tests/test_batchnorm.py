@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from closeness import assert_close
 from launcher import run_distributed
 from torch import Tensor, nn
 
@@ -106,10 +107,6 @@ def _tolerances(x: Tensor, grad_out: Tensor, ref: nn.Module, eps: float) -> dict
     }
 
 
-def _assert_close(actual: Tensor, expected: Tensor, tol: dict[str, float], what: str) -> None:
-    torch.testing.assert_close(actual.double(), expected, **tol, msg=lambda m: f"{what}: {m}")
-
-
 def _init_params(layer: nn.Module, seed: int) -> None:
     """Non-trivial affine parameters, identical on every rank."""
     if layer.weight is not None:
@@ -173,17 +170,17 @@ def _check_case(
             assert out.is_contiguous(memory_format=torch.channels_last), where
         # Tolerances from where float32 rounding enters, scaled by |mean|/std: see _tolerances.
         tol = _tolerances(x_global, grad_global, ref, ref.eps)
-        _assert_close(out, out_ref[rows], tol["output"], f"{where}: output")
-        _assert_close(x.grad, x_ref.grad[rows], tol["grad_input"], f"{where}: grad_input")
+        assert_close(out, out_ref[rows], f"{where}: output", **tol["output"])
+        assert_close(x.grad, x_ref.grad[rows], f"{where}: grad_input", **tol["grad_input"])
         if case.affine:
             # Each rank holds its local sums; their sum over the group is the global-batch gradient.
             grads = torch.cat([layer.weight.grad, layer.bias.grad])
             dist.all_reduce(grads, group=process_group)
             ref_grads = torch.cat([ref.weight.grad, ref.bias.grad])
-            _assert_close(grads, ref_grads, tol["grad_param"], f"{where}: weight/bias grad")
+            assert_close(grads, ref_grads, f"{where}: weight/bias grad", **tol["grad_param"])
         if case.track_running_stats:
-            _assert_close(layer.running_mean, ref.running_mean, tol["running_mean"], f"{where}: running_mean")
-            _assert_close(layer.running_var, ref.running_var, tol["running_var"], f"{where}: running_var")
+            assert_close(layer.running_mean, ref.running_mean, f"{where}: running_mean", **tol["running_mean"])
+            assert_close(layer.running_var, ref.running_var, f"{where}: running_var", **tol["running_var"])
             assert torch.equal(layer.num_batches_tracked, ref.num_batches_tracked), where
             if total == 0:  # an all-empty step leaves the statistics exactly as they were
                 assert torch.equal(layer.running_mean, before["running_mean"]), where
@@ -334,7 +331,7 @@ def _worker_subgroups(rank: int, world_size: int) -> int:
     assert not torch.allclose(gathered[0], gathered[2], rtol=0.1, atol=0.1)
     ref = nn.BatchNorm2d(3).double()
     ref(x)
-    _assert_close(layer.running_mean, ref.running_mean, _RUNNING_TOL["running_mean"], "converted layer")
+    assert_close(layer.running_mean, ref.running_mean, "converted layer", **_RUNNING_TOL["running_mean"])
     return steps
 
 
@@ -359,9 +356,9 @@ def _train_step(layer: nn.Module, ref: nn.Module, rank: int, split: Sequence[int
     out_ref = ref(x_global)
     assert layer.last_transport == "distributed"
     tol = _tolerances(x_global, grad_global, ref, ref.eps)  # float32 rounding, see _tolerances
-    _assert_close(out, out_ref[start : start + split[rank]], tol["output"], "training output")
-    _assert_close(layer.running_mean, ref.running_mean, tol["running_mean"], "running_mean")
-    _assert_close(layer.running_var, ref.running_var, tol["running_var"], "running_var")
+    assert_close(out, out_ref[start : start + split[rank]], "training output", **tol["output"])
+    assert_close(layer.running_mean, ref.running_mean, "running_mean", **tol["running_mean"])
+    assert_close(layer.running_var, ref.running_var, "running_var", **tol["running_var"])
     assert torch.equal(layer.num_batches_tracked, ref.num_batches_tracked)
 
 
@@ -533,7 +530,7 @@ def _train_ddp(rank: int, world_size: int, dtype: torch.dtype) -> int:
         if key.endswith("num_batches_tracked"):
             assert value.item() == ref_state[key].item() == len(splits), key
         else:
-            _assert_close(value, ref_state[key], {"rtol": tol, "atol": tol}, f"{dtype} {key}")
+            assert_close(value, ref_state[key], f"{dtype} {key}", rtol=tol, atol=tol)
     return len(splits)
 
 
@@ -606,11 +603,11 @@ def _worker_nccl(rank: int, world_size: int) -> int:
         grads = torch.cat([layer.weight.grad, layer.bias.grad])
         dist.all_reduce(grads, group=group)
         tol = _tolerances(x_global, grad_global, ref, ref.eps)  # float32 rounding, see _tolerances
-        _assert_close(out.cpu(), out_ref[rows], tol["output"], f"nccl step {step}: output")
-        _assert_close(x.grad.cpu(), x_ref.grad[rows], tol["grad_input"], f"nccl step {step}: grad_input")
-        _assert_close(grads.cpu(), torch.cat([ref.weight.grad, ref.bias.grad]), tol["grad_param"], "nccl grads")
-        _assert_close(layer.running_mean.cpu(), ref.running_mean, tol["running_mean"], "nccl running_mean")
-        _assert_close(layer.running_var.cpu(), ref.running_var, tol["running_var"], "nccl running_var")
+        assert_close(out.cpu(), out_ref[rows], f"nccl step {step}: output", **tol["output"])
+        assert_close(x.grad.cpu(), x_ref.grad[rows], f"nccl step {step}: grad_input", **tol["grad_input"])
+        assert_close(grads.cpu(), torch.cat([ref.weight.grad, ref.bias.grad]), "nccl grads", **tol["grad_param"])
+        assert_close(layer.running_mean.cpu(), ref.running_mean, "nccl running_mean", **tol["running_mean"])
+        assert_close(layer.running_var.cpu(), ref.running_var, "nccl running_var", **tol["running_var"])
     return len(splits)
 
 

@@ -3,8 +3,8 @@
 The thread tests use real threads and the real :class:`SyncMaster`; nothing waits on a clock except where a
 timeout is the behaviour under test (then it is short), and waits that must be ended by an abort use a long
 timeout, so only the abort can end them before pytest-timeout does. The distributed tests use real gloo
-process groups through ``tests/launcher.py``; collectives are counted by wrapping ``torch.distributed``'s
-``all_reduce`` with a function that records the call and then runs the real collective.
+process groups through ``tests/launcher.py``; collectives are recorded by the c10d ops they dispatch
+(``op_counting.OpCounter``, one per thread; the real collectives run).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from launcher import run_distributed
+from op_counting import OpCounter
 from torch import Tensor
 
 from syncbn_dist.comm import (
@@ -339,25 +340,6 @@ def test_distributed_transport_is_none_without_a_process_group() -> None:
     assert distributed_transport(None) is None
 
 
-class _CountingAllReduce:
-    """Wraps the real ``torch.distributed.all_reduce``: records each call's numel and dtype, then runs it."""
-
-    def __init__(self) -> None:
-        self.real = dist.all_reduce
-        self.calls: list[tuple[int, torch.dtype]] = []
-
-    def __call__(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
-        self.calls.append((tensor.numel(), tensor.dtype))
-        return self.real(tensor, *args, **kwargs)
-
-    def __enter__(self) -> _CountingAllReduce:
-        dist.all_reduce = self
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        dist.all_reduce = self.real
-
-
 def _check_distributed_transport(rank: int, world_size: int) -> None:
     transport = distributed_transport(None)
     assert isinstance(transport, DistributedTransport)
@@ -377,17 +359,17 @@ def _check_distributed_transport(rank: int, world_size: int) -> None:
         count, moments, weight_count, weight_moments = (t.clone() for t in data[rank])
         count.requires_grad_(grad_count)
         moments.requires_grad_(grad_moments)
-        with _CountingAllReduce() as counter:
+        with OpCounter() as counter:
             out_count, out_moments = transport.all_reduce([count, moments])
-            forward_calls = list(counter.calls)
+            forward_calls = list(counter.payloads)
             loss = (out_count * weight_count).sum() + (out_moments * weight_moments).sum()
             if loss.requires_grad:
                 loss.backward()
-            backward_calls = counter.calls[len(forward_calls) :]
+            backward_calls = counter.payloads[len(forward_calls) :]
         # One coalesced float64 collective each way; backward sends only the grads that are needed.
-        assert forward_calls == [(1 + 6, torch.float64)]
+        assert forward_calls == [("c10d.allreduce_", 1 + 6, torch.float64)]
         expected_backward = 1 * grad_count + 6 * grad_moments
-        assert backward_calls == ([(expected_backward, torch.float64)] if expected_backward else [])
+        assert backward_calls == ([("c10d.allreduce_", expected_backward, torch.float64)] if expected_backward else [])
         assert out_count.item() == sum(d[0].item() for d in data)  # exact in float64 (not in float32)
         # Float64 sums over ranks in the backend's order: a few ulps.
         torch.testing.assert_close(out_moments.detach(), sum(d[1] for d in data), rtol=1e-12, atol=1e-12)
@@ -425,16 +407,22 @@ def _check_hierarchical_transport(rank: int, world_size: int) -> None:
     }
     weights = {key: torch.tensor([float(key[0] + 2 * key[1] + 1)], dtype=torch.float64) for key in values}
     inputs = [values[rank, i].clone().requires_grad_() for i in range(num_replicas)]
-    with _CountingAllReduce() as counter:
+    counters = [OpCounter() for _ in range(num_replicas + 1)]  # one per replica thread, the last for this thread
+
+    def replica(i: int) -> Tensor:
+        with counters[i]:
+            return transports[i].all_reduce([inputs[i]])[0]
+
+    with counters[-1]:
         outputs = run_replicas_in_threads(
-            [lambda i=i: transports[i].all_reduce([inputs[i]])[0] for i in range(num_replicas)],
+            [lambda i=i: replica(i) for i in range(num_replicas)],
             [()] * num_replicas,
             [{}] * num_replicas,
             lambda error: transports[0].exchange.abort(error),
         )
-        assert len(counter.calls) == 1  # one collective per process, on the master replica
+        assert sum(len(c.payloads) for c in counters) == 1  # one collective per process, on the master replica
         sum(((out * weights[rank, i]).sum() for i, out in enumerate(outputs)), torch.zeros(())).backward()
-        assert len(counter.calls) == 2
+        assert sum(len(c.payloads) for c in counters) == 2
     for out in outputs:
         assert out.item() == sum(v.item() for v in values.values())
     for grad in (inputs[i].grad for i in range(num_replicas)):

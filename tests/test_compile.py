@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from launcher import run_distributed
+from launcher import env_outside_torchrun, run_distributed
 from torch import Tensor, nn
 
 import syncbn_dist
@@ -260,9 +259,7 @@ _JOB = textwrap.dedent(
 def test_compiled_job_exits_zero_under_torchrun(tmp_path: Path, backend: str) -> None:
     script = tmp_path / "job.py"
     script.write_text(_JOB.format(backend=backend))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    env["OMP_NUM_THREADS"] = "1"
+    env = env_outside_torchrun(PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     for attempt in range(3 if backend == "aot_eager" else 1):
         done = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=240)

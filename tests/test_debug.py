@@ -3,40 +3,19 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from launcher import run_distributed
+from op_counting import OpCounter
 from torch import nn
 
 import syncbn_dist
 from syncbn_dist import LayerMismatchError
-
-
-class _CollectiveCounter:
-    """Counts calls of torch.distributed collectives while delegating to the real ones (observation only)."""
-
-    def __init__(self, names: tuple[str, ...] = ("all_reduce", "all_gather")) -> None:
-        self.calls: dict[str, int] = {name: 0 for name in names}
-        self._originals = {name: getattr(dist, name) for name in names}
-
-    def __enter__(self) -> _CollectiveCounter:
-        for name, original in self._originals.items():
-            setattr(dist, name, self._counting(name, original))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-
-    def _counting(self, name: str, original: Any) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            return original(*args, **kwargs)
-
-        return counted
 
 
 def _error_or_none(fn: Any) -> str | None:
@@ -71,15 +50,15 @@ def _agreement_is_checked_once_when_debug_is_off(rank: int, world_size: int) -> 
     syncbn_dist.set_debug(False)
     layer = syncbn_dist.SynchronizedBatchNorm2d(3)
     x = torch.randn(2, 3, 4, 4, requires_grad=True)  # so that backward needs the global reductions
-    with _CollectiveCounter() as first:
+    with OpCounter() as first:
         layer(x).sum().backward()
-    with _CollectiveCounter() as later:
+    with OpCounter() as later:
         for _ in range(3):
             layer(x).sum().backward()
     # First forward: one small all_gather (the agreement check) + one all_reduce; backward: one all_reduce.
-    assert first.calls == {"all_gather": 1, "all_reduce": 2}, first.calls
+    assert first.collectives == Counter({"c10d.allgather_": 1, "c10d.allreduce_": 2}), first.collectives
     # Afterwards exactly one collective per direction and nothing else.
-    assert later.calls == {"all_gather": 0, "all_reduce": 6}, later.calls
+    assert later.collectives == Counter({"c10d.allreduce_": 6}), later.collectives
 
 
 def _debug_mode_checks_every_call(rank: int, world_size: int, expect_env_debug: bool) -> None:
@@ -87,10 +66,10 @@ def _debug_mode_checks_every_call(rank: int, world_size: int, expect_env_debug: 
     syncbn_dist.set_debug(True)
     layer = syncbn_dist.SynchronizedBatchNorm1d(3)
     x = torch.randn(4, 3)
-    with _CollectiveCounter() as counter:
+    with OpCounter() as counter:
         for _ in range(3):
             layer(x)
-    assert counter.calls == {"all_gather": 3, "all_reduce": 3}
+    assert counter.collectives == Counter({"c10d.allgather_": 3, "c10d.allreduce_": 3}), counter.collectives
 
 
 def _debug_mode_names_reordered_layers(rank: int, world_size: int) -> None:
@@ -138,23 +117,33 @@ def test_debug_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
     run_distributed(_debug_mode_checks_every_call, 2, True)
 
 
-def _dead_peer_times_out(rank: int, world_size: int) -> float:
+def _dead_peer_times_out(rank: int, world_size: int, rank0_done: str) -> float:
     layer = syncbn_dist.SynchronizedBatchNorm1d(3)
     layer(torch.randn(4, 3))  # both ranks agree once
     if rank == 1:
-        time.sleep(12)  # alive but never joins the next collective, like a stuck or dead peer
+        # Alive but never joins the next collective, like a stuck peer, until rank 0 has its error: exiting
+        # earlier would close the connection and give rank 0 a "connection closed" error instead of the timeout.
+        deadline = time.monotonic() + 30
+        while not Path(rank0_done).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return 0.0
     start = time.monotonic()
-    with pytest.raises(RuntimeError):  # gloo raises (DistBackendError) when the process group timeout passes
-        layer(torch.randn(4, 3))
+    try:
+        # gloo's own error when the process group timeout (3 s) passes while waiting for the peer (on a send or a
+        # receive, depending on the collective's algorithm): not some other failure that merely came after 2 s.
+        with pytest.raises(RuntimeError, match=r"Timed out waiting 3000ms for (recv|send) operation to complete"):
+            layer(torch.randn(4, 3))
+    finally:
+        Path(rank0_done).touch()
     return time.monotonic() - start
 
 
 @pytest.mark.distributed
-def test_a_peer_that_never_arrives_raises_after_the_process_group_timeout() -> None:
-    # The collective timeout given to init_process_group (3 s here) bounds the wait: rank 0 gets an exception
-    # instead of hanging; the launcher's own 60 s limit would fail the test if it hung.
-    elapsed, _ = run_distributed(_dead_peer_times_out, 2, timeout=60, collective_timeout=3)
+def test_a_peer_that_never_arrives_raises_after_the_process_group_timeout(tmp_path: Path) -> None:
+    # The collective timeout given to init_process_group (3 s here) bounds the wait: rank 0 gets gloo's timeout
+    # error instead of hanging; the launcher's own 60 s limit would fail the test if it hung.
+    done = str(tmp_path / "rank0_done")
+    elapsed, _ = run_distributed(_dead_peer_times_out, 2, done, timeout=60, collective_timeout=3)
     assert elapsed >= 2.0  # it did wait for the peer first: the error is the timeout, not something else
 
 

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from closeness import assert_close
 from launcher import run_distributed
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -161,10 +162,6 @@ def _bn_state(bn: nn.Module) -> dict[str, Tensor]:
     return {name: getattr(bn, name).detach().double().clone() for name in names}
 
 
-def _assert_close(actual: Tensor, expected: Tensor, what: str, **tol: float) -> None:
-    torch.testing.assert_close(actual.double(), expected.double(), **tol, msg=lambda m: f"{what}: {m}")
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Mixed precision
 # ---------------------------------------------------------------------------------------------------------
@@ -251,7 +248,7 @@ def _check_mixed_precision(precision: str, members: Sequence[dict[str, Any]], tr
         x_hat = ((x.detach() - mean.view(1, -1, 1, 1)) * invstd.view(1, -1, 1, 1)).abs().max().item()
         scale = (ref.weight.detach().abs() * invstd).max().item()
         # Output: normalized in float32 from exact float64 statistics, then rounded once to the input dtype.
-        _assert_close(
+        assert_close(
             torch.cat([_t(r["y"]) for r in records]),
             y_ref,
             f"{what} output",
@@ -261,7 +258,7 @@ def _check_mixed_precision(precision: str, members: Sequence[dict[str, Any]], tr
         # Input grad: a * dy + (b * x + c) with a rounded to the input dtype and (b * x + c) rounded before the
         # add, each at most half an ulp of terms bounded by scale * |dy| * (1 + max |x_hat|).
         grad_scale = scale * dy.abs().max().item() * (1.0 + x_hat)
-        _assert_close(
+        assert_close(
             torch.cat([_t(r["dx"]) for r in records]),
             x.grad,
             f"{what} grad_input",
@@ -274,7 +271,7 @@ def _check_mixed_precision(precision: str, members: Sequence[dict[str, Any]], tr
         accumulation = 1e-6 * count * dy.abs().max().item() * (1.0 + x_hat)
         for name, expected in (("grad_weight", ref.weight.grad), ("grad_bias", ref.bias.grad)):
             total = sum(_t(r[name]) for r in records)
-            _assert_close(
+            assert_close(
                 total,
                 expected,
                 f"{what} {name}",
@@ -286,7 +283,7 @@ def _check_mixed_precision(precision: str, members: Sequence[dict[str, Any]], tr
         running_tol = 1e-6 if param_dtype == torch.float32 else 2 * eps_param
         for r in records:
             for name in ("running_mean", "running_var"):
-                _assert_close(_t(r[name]), getattr(ref, name), f"{what} {name}", rtol=running_tol, atol=1e-7)
+                assert_close(_t(r[name]), getattr(ref, name), f"{what} {name}", rtol=running_tol, atol=1e-7)
             assert r["num_batches_tracked"] == int(ref.num_batches_tracked), what
 
 
@@ -323,9 +320,9 @@ def test_count_stays_exact_past_2_24_values_per_channel(dtype: torch.dtype) -> N
     ref_var, ref_mean = torch.var_mean(values, dim=0, correction=0)
     # Statistics are accumulated in (at least) float32 over bounded chunks and merged in float64: the mean to
     # ~1e-7 relative (one serial float32 sum of 2^24 values around 3 drifts by ~1e-2).
-    _assert_close(mean, ref_mean, "mean", rtol=1e-6, atol=0.0)
+    assert_close(mean, ref_mean, "mean", rtol=1e-6, atol=0.0)
     # Variance: the same (~1e-6 relative); the unchunked float32 kernel is off by ~3e-2 here.
-    _assert_close(var, ref_var, "variance", rtol=1e-5, atol=0.0)
+    assert_close(var, ref_var, "variance", rtol=1e-5, atol=0.0)
 
 
 @pytest.mark.gpu
@@ -350,11 +347,11 @@ def test_cuda_autocast_outputs_and_running_stats_match_float64_batchnorm(dtype: 
     y_ref.backward(dy.to(dtype).double())
     eps = torch.finfo(dtype).eps
     # Output rounded once to ``dtype``; input grad a few roundings of terms of size |w * invstd * dy| (<~ 30 here).
-    _assert_close(y.cpu(), y_ref, "output", rtol=eps, atol=eps * y_ref.abs().max().item() / 4)
-    _assert_close(h.grad.cpu(), h64.grad, "grad_input", rtol=0.0, atol=4 * eps * h64.grad.abs().max().item())
+    assert_close(y.cpu(), y_ref, "output", rtol=eps, atol=eps * y_ref.abs().max().item() / 4)
+    assert_close(h.grad.cpu(), h64.grad, "grad_input", rtol=0.0, atol=4 * eps * h64.grad.abs().max().item())
     # Buffers are float32, statistics float64 over the exact low-precision values: one float32 rounding.
-    _assert_close(model[1].running_var.cpu(), ref.running_var, "running_var", rtol=1e-6, atol=0.0)
-    _assert_close(model[1].running_mean.cpu(), ref.running_mean, "running_mean", rtol=1e-6, atol=1e-7)
+    assert_close(model[1].running_var.cpu(), ref.running_var, "running_var", rtol=1e-6, atol=0.0)
+    assert_close(model[1].running_mean.cpu(), ref.running_mean, "running_mean", rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -523,8 +520,8 @@ def _check_memory_format(ndim: int, members: Sequence[dict[str, Any]], transport
         # float32 data of O(1) (|mean|/std <= 1.25): outputs and grads to a few float32 ulps of their scale.
         var = torch.var(x.detach(), dim=dims, correction=0)
         scale = (ref.weight.detach().abs() * torch.rsqrt(var + ref.eps)).max().item()
-        _assert_close(torch.cat([_t(r["y"]) for r in records]), y_ref, f"{what} output", rtol=0.0, atol=1e-5)
-        _assert_close(
+        assert_close(torch.cat([_t(r["y"]) for r in records]), y_ref, f"{what} output", rtol=0.0, atol=1e-5)
+        assert_close(
             torch.cat([_t(r["dx"]) for r in records]),
             x.grad,
             f"{what} grad_input",
@@ -533,10 +530,10 @@ def _check_memory_format(ndim: int, members: Sequence[dict[str, Any]], transport
         )
         for name, expected in (("grad_weight", ref.weight.grad), ("grad_bias", ref.bias.grad)):
             # Sums of ~count O(1) float32 terms per member.
-            _assert_close(sum(_t(r[name]) for r in records), expected, f"{what} {name}", rtol=1e-5, atol=1e-4)
+            assert_close(sum(_t(r[name]) for r in records), expected, f"{what} {name}", rtol=1e-5, atol=1e-4)
         for r in records:
             for name in ("running_mean", "running_var"):
-                _assert_close(_t(r[name]), getattr(ref, name), f"{what} {name}", rtol=1e-6, atol=1e-7)
+                assert_close(_t(r[name]), getattr(ref, name), f"{what} {name}", rtol=1e-6, atol=1e-7)
 
 
 MEMORY_FORMAT_CASES = {4: (SynchronizedBatchNorm2d, (4, 6)), 5: (SynchronizedBatchNorm3d, (2, 3, 4))}
@@ -620,7 +617,7 @@ def _assert_checkpointed_equals_plain(
         for key in ck:
             if key != "transport":
                 # Same data, same ops, same statistics (recomputed identically or replayed): bitwise equal.
-                _assert_close(_t(ck[key]), _t(pl[key]), f"{what} member {member} {key}", rtol=0.0, atol=0.0)
+                assert_close(_t(ck[key]), _t(pl[key]), f"{what} member {member} {key}", rtol=0.0, atol=0.0)
 
 
 def _check_checkpoint(
@@ -640,7 +637,7 @@ def _check_checkpoint(
         for name in ("running_mean", "running_var"):
             for member in checkpointed:
                 # float64 statistics rounded into float32 buffers (see test_batchnorm's _RUNNING_TOL).
-                _assert_close(
+                assert_close(
                     _t(member["steps"][step][f"0.{name}"]), getattr(ref, name), f"{what} {name}", rtol=1e-6, atol=1e-7
                 )
 
@@ -781,7 +778,7 @@ def _check_compiled_equals_eager(
             # float32 sums of 100 O(1) products per channel, which inductor reorders: a few ulps of the partial
             # sums (~1e-6 each, up to ~1e-5 in all), so they get 1e-4 absolute.
             atol = 1e-4 if key.startswith("grad ") else 1e-5
-            _assert_close(_t(c[key]), _t(e[key]), f"{what} step {i} {key}", rtol=1e-5, atol=atol)
+            assert_close(_t(c[key]), _t(e[key]), f"{what} step {i} {key}", rtol=1e-5, atol=atol)
 
 
 def _has_cxx_compiler() -> bool:
@@ -819,7 +816,7 @@ def test_compile_eval_mode_has_no_graph_break() -> None:
     x, _ = _global_data((4, 2, 4, 5), 0)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # raises on any graph break
     with torch.no_grad():
-        _assert_close(compiled(x), model(x), "eval output", rtol=1e-5, atol=1e-5)
+        assert_close(compiled(x), model(x), "eval output", rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -2,22 +2,23 @@
 
 One launch at world size 4 covers groups of 2 (each group equals float64 ``nn.BatchNorm`` on its own
 concatenated batch), the whole world and singleton groups, the errors (on every rank), and running-stat sync
-in both modes over the world, a subgroup and a group this rank is not in. Collectives are counted by wrapping
-``torch.distributed``'s functions in the worker (observation only: the real ones run). The cases that need no
+in both modes over the world, a subgroup and a group this rank is not in. Collectives are counted by the c10d ops
+they dispatch (``op_counting.OpCounter``; observation only: the real ones run). The cases that need no
 process group run in the test process.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from closeness import assert_close
 from launcher import run_distributed
+from op_counting import OpCounter
 from torch import Tensor, nn
 
 import syncbn_dist
@@ -27,49 +28,6 @@ C = 3
 SEED = 4321
 # Batch sizes of ranks 0..3: uneven, so a wrong grouping or an unweighted mean shows.
 SIZES = (2, 3, 1, 4)
-_COLLECTIVES = (
-    "all_reduce",
-    "all_reduce_coalesced",
-    "broadcast",
-    "broadcast_object_list",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "reduce",
-    "reduce_scatter",
-    "gather",
-    "scatter",
-    "all_to_all",
-    "barrier",
-)
-
-
-@contextlib.contextmanager
-def _counting_collectives() -> Iterator[Counter[str]]:
-    """Count calls of torch.distributed's collectives (the real ones still run); restore them on exit."""
-    calls: Counter[str] = Counter()
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-
-    def counted(name: str, original: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            calls[name] += 1
-            return original(*args, **kwargs)
-
-        return wrapper
-
-    for name, original in originals.items():
-        setattr(dist, name, counted(name, original))
-    try:
-        yield calls
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-
-
-def _assert_close(actual: Tensor, expected: Tensor, what: str, **tol: float) -> None:
-    torch.testing.assert_close(actual, expected, **tol, msg=lambda m: f"{what}: {m}")
-
-
 # ---------------------------------------------------------------------------------------------------------
 # new_sync_groups
 # ---------------------------------------------------------------------------------------------------------
@@ -106,14 +64,14 @@ def _check_group_sync(rank: int, group: Any, members: list[int], others: list[in
         own = slice(sum(SIZES[m] for m in members if m < rank), sum(SIZES[m] for m in members if m <= rank))
         what = f"rank {rank} group {members} step {step}"
         # O(1) float32 data: outputs and grads to a few float32 ulps; buffers one float32 rounding.
-        _assert_close(y.double(), y_ref[own], f"{what} output", rtol=0.0, atol=1e-5)
-        _assert_close(mine.grad.double(), group_x.grad[own], f"{what} grad_input", rtol=0.0, atol=1e-4)
+        assert_close(y.double(), y_ref[own], f"{what} output", rtol=0.0, atol=1e-5)
+        assert_close(mine.grad.double(), group_x.grad[own], f"{what} grad_input", rtol=0.0, atol=1e-4)
         grads = torch.cat([layer.weight.grad, layer.bias.grad]).double()
         if len(members) > 1:
             dist.all_reduce(grads, group=group)  # weight/bias grads are local sums; DDP would combine them
-        _assert_close(grads, torch.cat([ref.weight.grad, ref.bias.grad]), f"{what} grad_param", rtol=1e-5, atol=1e-5)
+        assert_close(grads, torch.cat([ref.weight.grad, ref.bias.grad]), f"{what} grad_param", rtol=1e-5, atol=1e-5)
         for name in ("running_mean", "running_var"):
-            _assert_close(getattr(layer, name).double(), getattr(ref, name), f"{what} {name}", rtol=1e-6, atol=1e-7)
+            assert_close(getattr(layer, name).double(), getattr(ref, name), f"{what} {name}", rtol=1e-6, atol=1e-7)
         if others is not None:
             with torch.no_grad():
                 other(_rows(others, x))
@@ -123,10 +81,10 @@ def _check_group_sync(rank: int, group: Any, members: list[int], others: list[in
 
 def _check_new_sync_groups(rank: int, world_size: int) -> Any:
     for bad in (3, 0, -2, True, 2.0):
-        with _counting_collectives() as calls:
+        with OpCounter() as counter:
             with pytest.raises(ValueError) as info:
                 new_sync_groups(bad)
-        assert not calls, f"group_size={bad!r} ran collectives before raising: {calls}"
+        assert not counter.collectives, f"group_size={bad!r} ran collectives before raising: {counter.collectives}"
         if bad == 3:
             message = str(info.value)
             assert "world_size 4" in message and "group_size 3" in message, message
@@ -201,7 +159,7 @@ def _assert_state(model: nn.Module, expected: dict[str, Tensor], what: str) -> N
             # float64 sum of <= 4 values, divided, rounded to the buffer dtype: within one rounding of the
             # correctly rounded mean (one ulp of the buffer dtype; exact for broadcast and num_batches_tracked).
             rtol = torch.finfo(actual.dtype).eps if buffer != "num_batches_tracked" else 0.0
-            _assert_close(actual, want, f"{what}: {name}.{buffer} ({actual.dtype})", rtol=rtol, atol=0.0)
+            assert_close(actual, want, f"{what}: {name}.{buffer} ({actual.dtype})", rtol=rtol, atol=0.0)
 
 
 def _mean_state(model: nn.Module, ranks: Sequence[int], source: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -230,12 +188,12 @@ def _check_sync_running_stats(rank: int, world_size: int, pairs: Any) -> None:
     ]
     for name, group, mode, averaged, source in cases:
         _load(model, rank)
-        with _counting_collectives() as calls:
+        with OpCounter() as counter:
             returned = sync_running_stats(model, process_group=group, mode=mode)
         assert returned is model, name
         # One collective for all six layers: the buffers travel packed.
-        expected_call = "all_reduce" if mode == "mean" else "broadcast"
-        assert calls == Counter({expected_call: 1}), f"{name}: {calls}"
+        expected_call = "c10d.allreduce_" if mode == "mean" else "c10d.broadcast_"
+        assert counter.collectives == Counter({expected_call: 1}), f"{name}: {counter.collectives}"
         if averaged is not None:
             expected = _mean_state(model, averaged, own)
         else:
@@ -250,16 +208,16 @@ def _check_sync_running_stats(rank: int, world_size: int, pairs: Any) -> None:
 
     # Unknown mode: ValueError on every rank before any collective, buffers untouched.
     _load(model, rank)
-    with _counting_collectives() as calls:
+    with OpCounter() as counter:
         with pytest.raises(ValueError, match="mode"):
             sync_running_stats(model, mode="median")
-    assert not calls, calls
+    assert not counter.collectives, counter.collectives
     _assert_state(model, _loaded_dtypes(model, own), "bad mode")
 
     # A model without running statistics costs nothing.
-    with _counting_collectives() as calls:
+    with OpCounter() as counter:
         sync_running_stats(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(C, track_running_stats=False)))
-    assert not calls, calls
+    assert not counter.collectives, counter.collectives
 
     # A group this rank is not in: ValueError on ranks 2 and 3; ranks 0 and 1 average among themselves.
     low = dist.new_group([0, 1])

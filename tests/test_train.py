@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from launch_scripts import load_script
-from launcher import run_distributed
+from launcher import env_outside_torchrun, run_distributed
+from torch.distributed.run import get_args_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 # The digits split the configs use: 1,797 images, a 0.2 test fraction (sklearn rounds the test size up).
@@ -40,30 +42,65 @@ def _yaml(tmp_path: Path, text: str) -> Path:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _header_commands(path: Path) -> list[list[str]]:
+    """The command lines of a config's header comment that run launch/train.py, continuations joined, as argv."""
+    header = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line[1:].strip())
+    lines = "\n".join(header).replace("\\\n", " ").splitlines()
+    return [shlex.split(line) for line in lines if "launch/train.py --" in line]  # not prose naming the file
+
+
+def _without_overrides(args: list[str]) -> list[str]:
+    return [arg for i, arg in enumerate(args) if arg != "--set" and args[i - 1] != "--set"]
+
+
 @pytest.mark.parametrize(
-    ("name", "parallel", "command"),
-    [
-        ("digits.yaml", "ddp", "torchrun --standalone --nproc_per_node=2 launch/train.py --config configs/digits.yaml"),
-        ("digits_dp.yaml", "dataparallel", "python launch/train.py --config configs/digits_dp.yaml"),
-        (
-            "digits_multinode.yaml",
-            "ddp",
-            "--rdzv_backend=c10d \\\n"
-            "#       --rdzv_endpoint=127.0.0.1:29510 --rdzv_id=digits-multinode --local_addr=127.0.0.1 \\\n"
-            "#       launch/train.py --config configs/digits_multinode.yaml",
-        ),
-    ],
+    ("name", "parallel"), [("digits.yaml", "ddp"), ("digits_dp.yaml", "dataparallel"), ("digits_multinode.yaml", "ddp")]
 )
-def test_shipped_configs_load_and_document_their_command(name: str, parallel: str, command: str) -> None:
+def test_shipped_configs_load_and_their_header_commands_run_them(
+    name: str, parallel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = ROOT / "configs" / name
     cfg = train.load_config(path)
     assert cfg.parallel == parallel
     assert cfg.data.batch_size == 16  # the small per-BatchNorm batch where synchronization matters
-    header = path.read_text().split("\n\n")[0]
-    assert all(line.startswith("#") for line in header.splitlines())
-    assert command in header
-    assert "--set " in header  # an override example
     assert cfg.resume is False  # a shipped config never resumes by accident
+
+    # The header's commands, parsed the way torchrun and train.py parse them, from the repository root.
+    monkeypatch.chdir(ROOT)
+    launched = overridden = 0
+    for argv in _header_commands(path):
+        script = argv.index("launch/train.py")
+        script_args = argv[script + 1 :]
+        assert train.parse_args(_without_overrides(script_args)) == cfg, argv  # it names this config
+        documented = train.parse_args(script_args)  # and its overrides are valid keys and values
+        for key, value in (arg.split("=", 1) for i, arg in enumerate(script_args) if script_args[i - 1] == "--set"):
+            node = documented
+            for part in key.split("."):
+                node = getattr(node, part)
+            assert node == yaml.safe_load(value), f"{argv}: {key}"  # values are parsed as YAML
+            overridden += 1
+        runners = [i for i, arg in enumerate(argv[:script]) if Path(arg).name in ("torchrun", "python", "python3")]
+        if not runners:  # an override example that elides the launcher ("... launch/train.py")
+            continue
+        launched += 1
+        if Path(argv[runners[-1]]).name != "torchrun":
+            assert parallel == "dataparallel", argv  # one process; DDP needs a rank per process
+            continue
+        assert parallel == "ddp", argv  # train.py refuses dataparallel under torchrun
+        run = get_args_parser().parse_args(argv[runners[-1] + 1 :])
+        assert (run.training_script, run.training_script_args) == ("launch/train.py", script_args), argv
+        nodes = int(str(run.nnodes).split(":")[-1])
+        assert nodes * int(run.nproc_per_node) == 2, argv  # the 2 ranks every shipped DDP config is sized for
+        if nodes == 1:
+            assert run.standalone, argv  # a private local rendezvous on a free port
+        else:
+            assert run.rdzv_backend == "c10d" and run.rdzv_endpoint and run.rdzv_id, argv  # where the nodes meet
+    assert launched >= 1, "the header gives no launch command"
+    assert overridden >= 1, "the header gives no --set override example"
 
 
 def test_yaml_and_overrides_layer_over_typed_defaults(tmp_path: Path) -> None:
@@ -210,9 +247,7 @@ def test_check_same_on_all_ranks_detects_a_differing_running_stat_on_every_rank(
 
 
 def _run_job(launcher: list[str], config: str, out: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # CPU paths, whatever the machine
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = env_outside_torchrun(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # CPU paths, whatever the machine
     args = ["--config", config, "--set", "train.epochs=1", "--set", f"output_dir={out}", "--set", "progress_bar=false"]
     proc = subprocess.run(
         [*launcher, "launch/train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240

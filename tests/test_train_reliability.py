@@ -27,7 +27,7 @@ from typing import Any, Callable
 import pytest
 import torch
 from launch_scripts import load_script
-from launcher import run_distributed
+from launcher import env_outside_torchrun, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -395,12 +395,24 @@ STANDALONE = [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
 JOB = ["model.width=8", "train.epochs=3", "progress_bar=false"]
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # CPU paths, whatever the machine
-    for key in list(env):
-        if key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") or key.startswith("TORCHELASTIC"):
-            del env[key]
-    return env
+@pytest.mark.distributed
+def test_jobs_started_by_tests_inherit_nothing_from_torchrun() -> None:
+    # The environment torchrun really gives a worker (printed by the worker itself), against the one it started
+    # from: what env_outside_torchrun (the env of every job above and below) keeps must not include any of it.
+    outer = env_outside_torchrun(OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [*TORCHRUN, "--standalone", "--nproc_per_node=1", "--no-python", "env", "-0"],  # NUL-separated
+        env=outer,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    worker = dict(entry.split("=", 1) for entry in done.stdout.split("\0") if "=" in entry)
+    added = {key for key in worker if key not in outer}
+    assert {"RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} <= added  # it did run under torchrun
+    leaked = added & set(env_outside_torchrun(worker))
+    assert not leaked, leaked
 
 
 class _Job:
@@ -415,7 +427,7 @@ class _Job:
             self.proc = subprocess.Popen(
                 [*launcher, "launch/train.py", "--config", "configs/digits.yaml", *sets, *flags],
                 cwd=ROOT,
-                env=_env(),
+                env=env_outside_torchrun(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),  # CPU paths, on any machine
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
             )
