@@ -78,6 +78,7 @@ def _entry(
             with open(result_path, "wb") as f:
                 pickle.dump(result, f)
     finally:
+        torch._dynamo.reset()  # compiled variants' caches hold the process group: release them first (docs/compile.md)
         dist.destroy_process_group()
 
 

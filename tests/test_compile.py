@@ -241,14 +241,23 @@ _JOB = textwrap.dedent(
     import torch, torch.distributed as dist, torch.nn as nn
     import syncbn_dist
 
-    dist.init_process_group("gloo")
-    try:
+
+    def train():
         model = syncbn_dist.convert_model(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
         model = nn.parallel.DistributedDataParallel(model)
         compiled = torch.compile(model, backend="{backend}")
         for step in range(2):
             compiled(torch.randn(2 + dist.get_rank(), 3, 6, 6)).sum().backward()
+
+
+    dist.init_process_group("gloo")
+    try:
+        train()
     finally:
+        # The exit sequence docs/compile.md gives: drop dynamo's compiled caches (they keep the model, and so the
+        # process group, alive) before destroying the group, so that no gloo object is left to be destroyed
+        # during interpreter finalization, which can abort the process.
+        torch._dynamo.reset()
         dist.destroy_process_group()
     """
 )
