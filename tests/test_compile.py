@@ -2,7 +2,8 @@
 
 - ``torch.compile(model, fullgraph=True)`` trains a converted model over a process group with the aot_eager and
   inductor backends: every step equals eager mode (outputs, input and parameter gradients, running statistics,
-  num_batches_tracked) with uneven and empty shards, momentum=None, channels_last input and bfloat16 autocast.
+  num_batches_tracked) with uneven and empty shards, momentum=None, channels_last input and bfloat16 autocast;
+  a compiled step runs exactly one float64 all_reduce of 2C + 1 values per layer forward and one of 2C backward.
 - ``torch.compile(DistributedDataParallel(model))``: no graph break beyond those DDP causes with plain BatchNorm.
 - The safety features under compile: the agreement check (``LayerMismatchError`` on every rank, at compile time),
   the global-count-1 error on every rank, debug mode (runs the layer eagerly: one graph break per layer), and
@@ -73,6 +74,14 @@ def _train(model: nn.Module, forward: Any, rank: int, world_size: int, variant: 
     return records
 
 
+def _compiled_step_collectives(compiled: Any, rank: int, world_size: int) -> list[tuple[list[int], str]]:
+    """(shape, dtype) of every gloo all_reduce one compiled training step runs, as the profiler records them."""
+    x, dy = _batch(rank, 0, STEPS[0][:world_size], channels_last=False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        compiled(x.requires_grad_()).backward(dy)
+    return [(e.input_shapes[0], e.input_dtypes[0]) for e in prof.events() if e.name == "gloo:all_reduce"]
+
+
 def _worker_compiled_equals_eager(rank: int, world_size: int, backend: str, variants: Sequence[str]) -> dict:
     results: dict[str, Any] = {"graph_breaks": 0}
     for variant in variants:
@@ -87,13 +96,19 @@ def _worker_compiled_equals_eager(rank: int, world_size: int, backend: str, vari
             _train(compiled_model, compiled, rank, world_size, variant),
             _train(eager, eager, rank, world_size, variant),
         )
+        if variant == "float32":
+            results["collectives"] = _compiled_step_collectives(compiled, rank, world_size)
         results["graph_breaks"] += sum(torch._dynamo.utils.counters["graph_break"].values())
     return results
 
 
 def _check_equal(results: Sequence[dict], variants: Sequence[str], backend: str) -> None:
+    # Three synchronized layers of C channels: one float64 all_reduce of 2C + 1 values each in forward and one of
+    # 2C values each in backward, inside the compiled graphs, and nothing else (DDP is not used here).
+    expected_collectives = [([2 * C + 1], "double")] * 3 + [([2 * C], "double")] * 3
     for rank, result in enumerate(results):
         assert result["graph_breaks"] == 0, f"rank {rank}: {result['graph_breaks']} graph breaks"
+        assert result["collectives"] == expected_collectives, f"rank {rank}: {result['collectives']}"
         for variant in variants:
             compiled, eager = result[variant]
             for step, (c, e) in enumerate(zip(compiled, eager)):
