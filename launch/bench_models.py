@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from resnet_blocks import BasicBlock
 from torch import Tensor, nn
 from torch.autograd import Function
 
@@ -70,33 +71,6 @@ class BenchNet(nn.Module):
         return self.head(self.features(x).mean((2, 3)))
 
 
-class _BasicBlock(nn.Module):
-    """ResNet's BasicBlock (He et al. 2016, arXiv:1512.03385): two conv3x3 -> BN, identity or conv1x1 -> BN shortcut.
-
-    The block's last BN starts with weight 0 ("zero-init residual", Goyal et al. 2017, arXiv:1706.02677), as
-    torchvision's ``zero_init_residual=True``.
-    """
-
-    def __init__(self, in_channels: int, channels: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, channels, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.conv2 = nn.Conv2d(channels, channels, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-        nn.init.zeros_(self.bn2.weight)
-        self.downsample: Optional[nn.Module] = None
-        if stride != 1 or in_channels != channels:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(in_channels, channels, 1, stride, bias=False), nn.BatchNorm2d(channels)
-            )
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = torch.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        shortcut = x if self.downsample is None else self.downsample(x)
-        return torch.relu(out + shortcut)
-
-
 class ResNetBench(nn.Module):
     """ResNet-18 topology (2-2-2-2 BasicBlocks) at base ``width`` for 32x32 inputs: 20 BatchNorm2d layers.
 
@@ -113,7 +87,7 @@ class ResNetBench(nn.Module):
         channels = width
         for stage, stride in enumerate((1, 2, 2, 2)):
             out_channels = width * 2**stage
-            blocks += [_BasicBlock(channels, out_channels, stride), _BasicBlock(out_channels, out_channels, 1)]
+            blocks += [BasicBlock(channels, out_channels, stride), BasicBlock(out_channels, out_channels, 1)]
             channels = out_channels
         self.blocks = nn.Sequential(*blocks)
         self.head = nn.Linear(channels, num_classes)
