@@ -13,7 +13,8 @@ Each worker runs in a fresh spawned process with the default process group initi
 rendezvous in a private temp dir, so no port races), one intra-op thread, and a collective timeout.
 A worker exception fails the test with the worker's traceback; a hang is killed after ``timeout``.
 
-Jobs that a test starts as subprocesses (torchrun, ``python launch/...``) get :func:`env_outside_torchrun`.
+Jobs that a test starts as subprocesses (torchrun, ``python -m launch...``) get
+:func:`launch.common.torchrun.env_outside_torchrun`.
 """
 
 from __future__ import annotations
@@ -23,49 +24,12 @@ import pickle
 import tempfile
 import time
 import traceback
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-# What torchrun's elastic agent sets in every worker's environment (torch/distributed/elastic/agent/server/
-# local_elastic_agent.py, _start_workers), besides the TORCHELASTIC_* prefix (run id, restarts, error file, signals).
-# OMP_NUM_THREADS, which torchrun sets only when it is unset, is left to the caller.
-_TORCHRUN_VARIABLES = frozenset(
-    {
-        "RANK",
-        "LOCAL_RANK",
-        "GROUP_RANK",
-        "ROLE_RANK",
-        "ROLE_NAME",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_WORLD_SIZE",
-        "ROLE_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    }
-)
-
-
-def env_outside_torchrun(base: Mapping[str, str] | None = None, **updates: str) -> dict[str, str]:
-    """A copy of ``base`` (default ``os.environ``) without any variable torchrun sets for its workers, then
-    ``updates``: the environment of a job that a test starts as a subprocess.
-
-    A job started from a test run under torchrun (or from a shell that exported ``RANK``, ``MASTER_PORT``, ...)
-    would otherwise take itself for a rank of that outer launch, or a nested torchrun would reuse its port.
-    """
-    env = {
-        key: value
-        for key, value in (os.environ if base is None else base).items()
-        if key not in _TORCHRUN_VARIABLES and not key.startswith("TORCHELASTIC_")
-    }
-    env.update(updates)
-    return env
 
 
 def _entry(

@@ -4,7 +4,7 @@ The thread tests use real threads and the real :class:`SyncMaster`; nothing wait
 timeout is the behaviour under test (then it is short), and waits that must be ended by an abort use a long
 timeout, so only the abort can end them before pytest-timeout does. The distributed tests use real gloo
 process groups through ``tests/launcher.py``; collectives are recorded by the c10d ops they dispatch
-(``op_counting.OpCounter``, one per thread; the real collectives run).
+(``launch.common.counting.OpCounter``, one per thread; the real collectives run).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from launcher import run_distributed
-from op_counting import OpCounter
 from torch import Tensor
 
+from launch.common.counting import OpCounter
 from syncbn_dist.comm import (
     DataParallelTransport,
     DistributedTransport,

@@ -24,10 +24,11 @@ from typing import Any
 
 import pytest
 import torch
-from launcher import env_outside_torchrun, run_distributed
+from launcher import run_distributed
 from torch import Tensor, nn
 
 import syncbn_dist
+from launch.common.torchrun import env_outside_torchrun
 
 C = 4
 # Per-rank batch sizes of each step: uneven, then an empty rank (the last rank), then even.

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from launcher import run_distributed
-from op_counting import OpCounter
 from torch import nn
 
 import syncbn_dist
+from launch.common.counting import OpCounter
 from syncbn_dist import LayerMismatchError
 
 

@@ -15,10 +15,10 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 from launcher import run_distributed
-from op_counting import OpCounter
 from torch import Tensor, nn
 
 import syncbn_dist
+from launch.common.counting import OpCounter
 from syncbn_dist import DataParallelWithCallback, SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, set_sbn_eps_mode
 
 OP_BUDGET = 30

@@ -3,7 +3,7 @@
 One launch at world size 4 covers groups of 2 (each group equals float64 ``nn.BatchNorm`` on its own
 concatenated batch), the whole world and singleton groups, the errors (on every rank), and running-stat sync
 in both modes over the world, a subgroup and a group this rank is not in. Collectives are counted by the c10d ops
-they dispatch (``op_counting.OpCounter``; observation only: the real ones run). The cases that need no
+they dispatch (``launch.common.counting.OpCounter``; observation only: the real ones run). The cases that need no
 process group run in the test process.
 """
 
@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from closeness import assert_close
 from launcher import run_distributed
-from op_counting import OpCounter
 from torch import Tensor, nn
 
 import syncbn_dist
+from launch.common.counting import OpCounter
 from syncbn_dist import SynchronizedBatchNorm2d, convert_model, new_sync_groups, sync_running_stats
 
 C = 3

@@ -20,8 +20,10 @@ import pytest
 import torch
 import yaml
 from launch_scripts import load_script
-from launcher import env_outside_torchrun, run_distributed
+from launcher import run_distributed
 from torch.distributed.run import get_args_parser
+
+from launch.common.torchrun import env_outside_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 # The digits split the configs use: 1,797 images, a 0.2 test fraction (sklearn rounds the test size up).

@@ -27,7 +27,9 @@ from typing import Any, Callable
 import pytest
 import torch
 from launch_scripts import load_script
-from launcher import env_outside_torchrun, run_distributed
+from launcher import run_distributed
+
+from launch.common.torchrun import env_outside_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 

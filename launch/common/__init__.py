@@ -1,0 +1,1 @@
+"""What the recipes and the tests share: typed configs, atomic writes, the torchrun runner, op counting."""
