@@ -146,7 +146,7 @@ def _read_overrides(overrides: Sequence[str]) -> DictConfig:
     for override in overrides:
         key, sep, _ = override.partition("=")
         if not sep or not key:
-            raise ConfigError(f"expected an override KEY=VALUE with a dotted KEY such as train.epochs=3 (got {override!r})")
+            raise ConfigError(f"expected KEY=VALUE with a dotted KEY such as train.epochs=3 (got {override!r})")
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as error:
