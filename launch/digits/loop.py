@@ -1,0 +1,137 @@
+"""The training loop of the digits job: steps from a resumable position, evaluation, and the cross-rank check."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from launch.digits.model import bn_transports
+from launch.digits.runtime import Runtime
+from launch.digits.stop import StopRequest
+
+
+def _sum_over_ranks(values: list[float], runtime: Runtime) -> list[float]:
+    totals = torch.tensor(values, dtype=torch.float64, device=runtime.device)
+    if runtime.world_size > 1:
+        dist.all_reduce(totals)
+    return totals.tolist()
+
+
+@dataclass
+class EpochProgress:
+    """This rank's position in the epoch in progress and its running sums (what a mid-epoch resume needs)."""
+
+    step: int = 0  # completed steps of this epoch
+    loss_sum: float = 0.0
+    correct: int = 0
+    count: int = 0
+
+
+def train_steps(
+    model: nn.Module,
+    loader: DataLoader,
+    optimizer: torch.optim.Optimizer,
+    runtime: Runtime,
+    progress: EpochProgress,
+    stop: StopRequest | None = None,
+    desc: str = "",
+    progress_bar: bool = False,
+) -> int:
+    """Run the epoch's steps from ``progress.step`` on, updating ``progress`` after each.
+
+    Before every step (the first included) all ranks agree whether to stop; the batches already done are
+    skipped (the sampler's order is fixed for the epoch), so the sums continue exactly where they stopped.
+
+    Returns:
+        0 when the epoch is complete, else the number of the signal that stopped it.
+    """
+    model.train()
+    loss_fn = nn.CrossEntropyLoss()
+    batches = itertools.islice(loader, progress.step, None)
+    show = progress_bar and runtime.is_main
+    bar = tqdm(batches, desc=desc, total=len(loader), initial=progress.step, leave=False, disable=not show)
+    for images, labels in bar:
+        signum = stop.agreed(runtime) if stop is not None else 0
+        if signum:
+            bar.close()
+            return signum
+        images, labels = images.to(runtime.device), labels.to(runtime.device)
+        logits = model(images)
+        loss = loss_fn(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        progress.loss_sum += loss.item() * len(labels)
+        progress.correct += (logits.argmax(1) == labels).sum().item()
+        progress.count += len(labels)
+        progress.step += 1
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+    return 0
+
+
+def epoch_means(progress: EpochProgress, runtime: Runtime) -> tuple[float, float]:
+    """The epoch's mean loss and accuracy over all ranks' samples (a collective)."""
+    loss_sum, correct, count = _sum_over_ranks([progress.loss_sum, progress.correct, progress.count], runtime)
+    return loss_sum / count, correct / count
+
+
+@torch.no_grad()
+def evaluate(net: nn.Module, loader: DataLoader, device: torch.device) -> float:
+    """Accuracy of the bare model in eval mode on the whole test set.
+
+    Every rank evaluates the full (small) test set itself: eval-mode BatchNorm uses the running
+    statistics and never communicates, the ranks hold identical models so they agree, and no rank
+    idles in a collective waiting for rank 0 to finish evaluating.
+    """
+    net.eval()
+    correct, count = 0, 0
+    for images, labels in loader:
+        images, labels = images.to(device), labels.to(device)
+        correct += (net(images).argmax(1) == labels).sum().item()
+        count += len(labels)
+    assert all(t == "local" for t in bn_transports(net)), "eval-mode BatchNorm must not communicate"
+    return correct / count
+
+
+def _sha256(flat: Tensor) -> str:
+    return hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()
+
+
+def check_same_on_all_ranks(net: nn.Module) -> list[str]:
+    """All-gather every parameter and buffer (running statistics included) and compare them across ranks.
+
+    Returns:
+        Every rank's state digest, in rank order: the SHA-256 of its state_dict as one float64 vector
+        (one digest without a process group). Equal digests mean bit-identical states.
+
+    Raises:
+        RuntimeError: on every rank, naming the tensors that differ from rank 0's, if any do.
+    """
+    state = net.state_dict()
+    # float64 holds float32 values and step counts exactly, so the comparison below is bit-for-bit.
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in state.values()])
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [_sha256(flat)]
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    sizes = [t.numel() for t in state.values()]
+    differing = []
+    for rank, other in enumerate(gathered[1:], start=1):
+        for name, mine, theirs in zip(state, gathered[0].split(sizes), other.split(sizes)):
+            if not torch.equal(mine, theirs):
+                gap = (mine - theirs).abs().max().item()
+                differing.append(f"{name} (rank {rank}, max abs difference {gap:.3g})")
+    if differing:
+        raise RuntimeError(
+            f"model state differs across ranks; {len(differing)} tensor(s) differ from rank 0's: "
+            + ", ".join(differing[:8])
+            + (" ..." if len(differing) > 8 else "")
+        )
+    return [_sha256(other) for other in gathered]

@@ -1,0 +1,56 @@
+"""Where a digits process runs: its rank, world size and device, and the process group under torchrun."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from launch.digits.config import DigitsConfig
+
+
+@dataclass
+class Runtime:
+    """Where this process runs: its rank, the world size, its device, and whether it owns a process group."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    distributed: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(cfg: DigitsConfig, local_rank: int) -> torch.device:
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    if cfg.parallel == "dataparallel":
+        return torch.device("cuda", 0)
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(cfg: DigitsConfig) -> Runtime:
+    """Start the default process group under torchrun (``RANK`` set): nccl for CUDA, gloo for CPU.
+
+    Without torchrun this is one process (rank 0, world size 1) and no group is started. CPU thread
+    replicas get one intra-op thread each unless ``OMP_NUM_THREADS`` says otherwise.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(cfg, local_rank)
+    if cfg.parallel == "dataparallel" and device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # The replica threads are the parallelism, as torchrun's processes are (torchrun sets
+        # OMP_NUM_THREADS=1): intra-op threads on top of them oversubscribe the cores, ~10x slower here.
+        torch.set_num_threads(1)
+    if "RANK" not in os.environ:
+        return Runtime(0, 1, device, distributed=False)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    return Runtime(dist.get_rank(), dist.get_world_size(), device, distributed=True)
