@@ -22,10 +22,10 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 train: install
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/train.py --config $(CONFIG) $(ARGS)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m launch.digits.train --config $(CONFIG) $(ARGS)
 
 train-dp: install
-	$(PY) launch/train.py --config configs/digits_dp.yaml
+	$(PY) -m launch.digits.train --config configs/digits_dp.yaml
 
 # Two "nodes" x 1 process on loopback through torchrun's c10d rendezvous (which assigns the node ranks:
 # torchrun ignores --node_rank with c10d); fails if either node fails. OMP_NUM_THREADS=1 because the two
@@ -35,7 +35,7 @@ train-multinode: install
 	for node in 0 1; do \
 		OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d \
 			--rdzv_endpoint=127.0.0.1:$(RDZV_PORT) --rdzv_id=digits-multinode --local_addr=127.0.0.1 \
-			launch/train.py --config $(MULTINODE_CONFIG) $(ARGS) & \
+			-m launch.digits.train --config $(MULTINODE_CONFIG) $(ARGS) & \
 		pids="$$pids $$!"; \
 	done; \
 	status=0; for pid in $$pids; do wait $$pid || status=1; done; exit $$status

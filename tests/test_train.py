@@ -1,4 +1,4 @@
-"""Tests of the training job launch/train.py.
+"""Tests of the digits training job, launch.digits.train.
 
 Config validation runs in-process. The job itself runs for one epoch as a real subprocess: under
 ``torch.distributed.run`` with 2 gloo processes (DDP + synchronized BatchNorm), and in one process through
@@ -19,18 +19,21 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from launch_scripts import load_script
 from launcher import run_distributed
 from torch.distributed.run import get_args_parser
 
+from launch.common.config import ConfigError, parse_config
 from launch.common.torchrun import env_outside_torchrun
+from launch.digits import train
+from launch.digits.config import DigitsConfig, ModelConfig, TrainConfig, load_digits_config
+from launch.digits.data import load_data
+from launch.digits.loop import check_same_on_all_ranks, evaluate
+from launch.digits.model import DigitsNet
 
 ROOT = Path(__file__).resolve().parents[1]
 # The digits split the configs use: 1,797 images, a 0.2 test fraction (sklearn rounds the test size up).
 NUM_TRAIN = 1797 - math.ceil(0.2 * 1797)
 
-
-train = load_script("train.py")
 
 
 def _yaml(tmp_path: Path, text: str) -> Path:
@@ -45,18 +48,19 @@ def _yaml(tmp_path: Path, text: str) -> Path:
 
 
 def _header_commands(path: Path) -> list[list[str]]:
-    """The command lines of a config's header comment that run launch/train.py, continuations joined, as argv."""
+    """The command lines of a config's header comment that run launch.digits.train, continuations joined, as argv."""
     header = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
         header.append(line[1:].strip())
     lines = "\n".join(header).replace("\\\n", " ").splitlines()
-    return [shlex.split(line) for line in lines if "launch/train.py --" in line]  # not prose naming the file
+    return [shlex.split(line) for line in lines if "-m launch.digits.train" in line]  # not prose naming the module
 
 
-def _without_overrides(args: list[str]) -> list[str]:
-    return [arg for i, arg in enumerate(args) if arg != "--set" and args[i - 1] != "--set"]
+def _overrides(args: list[str]) -> list[str]:
+    """The ``KEY=VALUE`` overrides among a command's arguments (``--config PATH`` is the only flag)."""
+    return [arg for i, arg in enumerate(args) if "=" in arg and not arg.startswith("-") and args[i - 1] != "--config"]
 
 
 @pytest.mark.parametrize(
@@ -66,35 +70,38 @@ def test_shipped_configs_load_and_their_header_commands_run_them(
     name: str, parallel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = ROOT / "configs" / name
-    cfg = train.load_config(path)
+    cfg = load_digits_config(path)
     assert cfg.parallel == parallel
     assert cfg.data.batch_size == 16  # the small per-BatchNorm batch where synchronization matters
     assert cfg.resume is False  # a shipped config never resumes by accident
 
-    # The header's commands, parsed the way torchrun and train.py parse them, from the repository root.
+    # The header's commands, parsed the way torchrun and the job parse them, from the repository root.
     monkeypatch.chdir(ROOT)
     launched = overridden = 0
     for argv in _header_commands(path):
-        script = argv.index("launch/train.py")
-        script_args = argv[script + 1 :]
-        assert train.parse_args(_without_overrides(script_args)) == cfg, argv  # it names this config
-        documented = train.parse_args(script_args)  # and its overrides are valid keys and values
-        for key, value in (arg.split("=", 1) for i, arg in enumerate(script_args) if script_args[i - 1] == "--set"):
+        module = argv.index("launch.digits.train")
+        script_args = argv[module + 1 :]
+        overrides = _overrides(script_args)
+        plain = [arg for arg in script_args if arg not in overrides]
+        assert parse_config(DigitsConfig, plain, "") == cfg, argv  # it names this config
+        documented = parse_config(DigitsConfig, script_args, "")  # and its overrides are valid keys and values
+        for key, value in (arg.split("=", 1) for arg in overrides):
             node = documented
             for part in key.split("."):
                 node = getattr(node, part)
             assert node == yaml.safe_load(value), f"{argv}: {key}"  # values are parsed as YAML
             overridden += 1
-        runners = [i for i, arg in enumerate(argv[:script]) if Path(arg).name in ("torchrun", "python", "python3")]
-        if not runners:  # an override example that elides the launcher ("... launch/train.py")
+        runners = [i for i, arg in enumerate(argv[: module - 1]) if Path(arg).name in ("torchrun", "python", "python3")]
+        if not runners:  # an override example that elides the launcher ("... -m launch.digits.train")
             continue
         launched += 1
         if Path(argv[runners[-1]]).name != "torchrun":
             assert parallel == "dataparallel", argv  # one process; DDP needs a rank per process
             continue
-        assert parallel == "ddp", argv  # train.py refuses dataparallel under torchrun
+        assert parallel == "ddp", argv  # the job refuses dataparallel under torchrun
         run = get_args_parser().parse_args(argv[runners[-1] + 1 :])
-        assert (run.training_script, run.training_script_args) == ("launch/train.py", script_args), argv
+        assert run.module and run.training_script == "launch.digits.train", argv
+        assert run.training_script_args == script_args, argv
         nodes = int(str(run.nnodes).split(":")[-1])
         assert nodes * int(run.nproc_per_node) == 2, argv  # the 2 ranks every shipped DDP config is sized for
         if nodes == 1:
@@ -102,16 +109,22 @@ def test_shipped_configs_load_and_their_header_commands_run_them(
         else:
             assert run.rdzv_backend == "c10d" and run.rdzv_endpoint and run.rdzv_id, argv  # where the nodes meet
     assert launched >= 1, "the header gives no launch command"
-    assert overridden >= 1, "the header gives no --set override example"
+    assert overridden >= 1, "the header gives no KEY=VALUE override example"
 
 
 def test_yaml_and_overrides_layer_over_typed_defaults(tmp_path: Path) -> None:
     path = _yaml(tmp_path, "seed: 3\ntrain:\n  lr: 1\n  epochs: 7\n")
-    cfg = train.load_config(path, ["train.epochs=2", "data.batch_size=8", "progress_bar=false"])
+    cfg = load_digits_config(path, ["train.epochs=2", "data.batch_size=8", "progress_bar=false"])
     assert (cfg.seed, cfg.train.epochs, cfg.data.batch_size, cfg.progress_bar) == (3, 2, 8, False)
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)  # YAML's 1 accepted for a float key
-    assert cfg.train.momentum == train.TrainConfig().momentum  # untouched keys keep their defaults
-    assert train.load_config(None) == train.Config()
+    assert cfg.train.momentum == TrainConfig().momentum  # untouched keys keep their defaults
+    assert load_digits_config(None) == DigitsConfig()
+
+
+def test_floats_in_exponent_form_read_as_floats(tmp_path: Path) -> None:
+    # PyYAML alone reads 1e-3 as a string; OmegaConf's loader and override grammar read it as a float.
+    cfg = load_digits_config(_yaml(tmp_path, "train:\n  lr: 1e-3\n"), ["train.weight_decay=5e-4"])
+    assert (cfg.train.lr, cfg.train.weight_decay) == (1e-3, 5e-4)
 
 
 @pytest.mark.parametrize(
@@ -122,7 +135,6 @@ def test_yaml_and_overrides_layer_over_typed_defaults(tmp_path: Path) -> None:
         ("", ["train.epoch=1"], ["unknown config key 'train.epoch'"]),
         ("train:\n  epochs: ten\n", [], ["'train.epochs'", "expected int", "str"]),
         ("train:\n  epochs: true\n", [], ["'train.epochs'", "expected int", "bool"]),
-        ("train:\n  lr: 1e-3\n", [], ["'train.lr'", "expected float", "1.0e-3"]),
         ("parallel: horovod\n", [], ["'parallel'", "'ddp' | 'dataparallel'"]),
         ("data: 16\n", [], ["data", "expected a mapping"]),
         ("data:\n  batch_size: 0\n", [], ["'data.batch_size'", "> 0", "got 0"]),
@@ -133,23 +145,23 @@ def test_yaml_and_overrides_layer_over_typed_defaults(tmp_path: Path) -> None:
         ("resume: 1\n", [], ["'resume'", "expected bool", "int"]),
         ("", ["resume=yes please"], ["'resume'", "expected bool", "str"]),
         ("data:\n  test_fraction: 1.0\n", [], ["'data.test_fraction'", "in (0, 1)"]),
-        ("", ["train.epochs"], ["--set KEY=VALUE"]),
+        ("", ["train.epochs"], ["expected KEY=VALUE"]),
         ("- a\n- b\n", [], ["expected a mapping"]),
     ],
 )
 def test_bad_config_is_rejected_naming_the_key(
     tmp_path: Path, text: str, overrides: list[str], fragments: list[str]
 ) -> None:
-    with pytest.raises(train.ConfigError) as info:
-        train.load_config(_yaml(tmp_path, text), overrides)
+    with pytest.raises(ConfigError) as info:
+        load_digits_config(_yaml(tmp_path, text), overrides)
     for fragment in fragments:
         assert fragment in str(info.value)
 
 
 def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
-    with pytest.raises(train.ConfigError, match=f"config file not found: {missing}"):
-        train.load_config(missing)
+    with pytest.raises(ConfigError, match=f"config file not found: {missing}"):
+        load_digits_config(missing)
 
 
 @pytest.mark.parametrize(
@@ -193,11 +205,11 @@ def test_main_fails_fast_before_any_process_group(
 
 def test_head_without_batchnorm_trains_on_one_image() -> None:
     one_image = torch.randn(1, 1, 8, 8)
-    with_bn = train.DigitsNet(train.load_config(None, ["model.width=4"]).model).train()
+    with_bn = DigitsNet(load_digits_config(None, ["model.width=4"]).model).train()
     with pytest.raises(ValueError, match="more than 1 value per channel"):  # torch's BatchNorm1d on (1, C)
         with_bn(one_image)
     assert any(isinstance(m, torch.nn.BatchNorm1d) for m in with_bn.modules())
-    net = train.DigitsNet(train.load_config(None, ["model.width=4", "model.head_bn=false"]).model).train()
+    net = DigitsNet(load_digits_config(None, ["model.width=4", "model.head_bn=false"]).model).train()
     assert not any(isinstance(m, torch.nn.BatchNorm1d) for m in net.modules())
     assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in net.modules()) == 3  # the conv blocks keep theirs
     hidden = net.head[1]
@@ -212,10 +224,9 @@ def test_head_without_batchnorm_trains_on_one_image() -> None:
 
 
 def _check_worker(rank: int, world_size: int) -> list[str]:
-    module = load_script("train.py")
     torch.manual_seed(0)
-    net = module.DigitsNet(module.ModelConfig(width=4))
-    module.check_same_on_all_ranks(net)  # identical: passes
+    net = DigitsNet(ModelConfig(width=4))
+    check_same_on_all_ranks(net)  # identical: passes
     messages = []
     for name in ("features.0.1.running_var", "head.2.num_batches_tracked", "head.5.weight"):
         tensor = net.state_dict()[name]
@@ -223,13 +234,13 @@ def _check_worker(rank: int, world_size: int) -> list[str]:
         if rank == 1:
             tensor.view(-1)[0] += 1  # one element of one tensor differs on one rank
         try:
-            module.check_same_on_all_ranks(net)
+            check_same_on_all_ranks(net)
         except RuntimeError as error:
             messages.append(str(error))
         else:
             messages.append("no error")
         tensor.copy_(saved)
-    module.check_same_on_all_ranks(net)  # restored: passes again
+    check_same_on_all_ranks(net)  # restored: passes again
     return messages
 
 
@@ -250,9 +261,9 @@ def test_check_same_on_all_ranks_detects_a_differing_running_stat_on_every_rank(
 
 def _run_job(launcher: list[str], config: str, out: Path) -> subprocess.CompletedProcess[str]:
     env = env_outside_torchrun(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # CPU paths, whatever the machine
-    args = ["--config", config, "--set", "train.epochs=1", "--set", f"output_dir={out}", "--set", "progress_bar=false"]
+    args = ["--config", config, "train.epochs=1", f"output_dir={out}", "progress_bar=false"]
     proc = subprocess.run(
-        [*launcher, "launch/train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+        [*launcher, "-m", "launch.digits.train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, f"training failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return proc
@@ -261,7 +272,7 @@ def _run_job(launcher: list[str], config: str, out: Path) -> subprocess.Complete
 def _check_outputs(out: Path, steps_per_epoch: int, transport: str) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.yaml", "metrics.json"]  # no temp files
 
-    cfg = train.load_config(out / "config.yaml")  # the resolved config reloads as a valid config
+    cfg = load_digits_config(out / "config.yaml")  # the resolved config reloads as a valid config
     assert cfg.train.epochs == 1 and cfg.output_dir == str(out)
 
     metrics = json.loads((out / "metrics.json").read_text())
@@ -276,7 +287,7 @@ def _check_outputs(out: Path, steps_per_epoch: int, transport: str) -> None:
 
     checkpoint = torch.load(out / "checkpoint.pt", weights_only=True)
     assert checkpoint["epoch"] == 1 and checkpoint["config"]["train"]["epochs"] == 1
-    net = train.DigitsNet(cfg.model)  # plain BatchNorm: the synchronized layers' state_dict keys are the same
+    net = DigitsNet(cfg.model)  # plain BatchNorm: the synchronized layers' state_dict keys are the same
     net.load_state_dict(checkpoint["model"])
     bns = [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     assert len(bns) == 4
@@ -286,9 +297,9 @@ def _check_outputs(out: Path, steps_per_epoch: int, transport: str) -> None:
         assert bn.num_batches_tracked.item() == steps_per_epoch  # once per step, on the global batch
 
     # The checkpoint is the model that was evaluated: it reproduces the logged test accuracy.
-    _, test_set = train.load_data(cfg.data)
+    _, test_set = load_data(cfg.data)
     loader = torch.utils.data.DataLoader(test_set, batch_size=512)
-    assert train.evaluate(net, loader, torch.device("cpu")) == row["test_acc"]
+    assert evaluate(net, loader, torch.device("cpu")) == row["test_acc"]
 
 
 @pytest.mark.slow

@@ -1,9 +1,9 @@
-"""Reliability of the training job launch/train.py: checkpoints, stop and resume, a dead rank, multi-node.
+"""Reliability of the digits training job, launch.digits.train: checkpoints, stop and resume, a dead rank, multi-node.
 
 In-process: checkpoint contents (``torch.load(weights_only=True)``), refusal of incompatible or unsafe
 checkpoints, atomic writes, and a signal at an exact step followed by a resume (one process, and two gloo
 ranks through ``tests/launcher.py`` with the signal sent to one rank only). As real subprocesses (marked
-``slow``): SIGTERM to a 2-process torchrun mid-training then ``--resume``, SIGKILL of one worker, and two
+``slow``): SIGTERM to a 2-process torchrun mid-training then ``resume=true``, SIGKILL of one worker, and two
 torchrun "nodes" on loopback against a single-node run.
 
 Reference results always come from an uninterrupted run of the same job with the same seed.
@@ -21,27 +21,30 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable
 
 import pytest
 import torch
-from launch_scripts import load_script
 from launcher import run_distributed
 
+from launch.common.config import parse_config
 from launch.common.torchrun import env_outside_torchrun
+from launch.digits import train
+from launch.digits.checkpoint import CHECKPOINT_FORMAT, CheckpointError, find_resume_checkpoint
+from launch.digits.config import DigitsConfig, load_digits_config
+from launch.digits.model import DigitsNet
+from launch.digits.runtime import Runtime
+from launch.digits.stop import StopRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-train = load_script("train.py")
 
 # Small and quick; the per-BatchNorm batch stays the shipped 16.
 QUICK = ["model.width=4", "train.epochs=2", "progress_bar=false"]
 
 
 def _cfg(out: Path, *overrides: str) -> Any:
-    return train.load_config(ROOT / "configs" / "digits.yaml", [*QUICK, f"output_dir={out}", *overrides])
+    return load_digits_config(ROOT / "configs" / "digits.yaml", [*QUICK, f"output_dir={out}", *overrides])
 
 
 def _metrics(out: Path) -> dict[str, Any]:
@@ -78,7 +81,7 @@ class _Forward:
     """Patches DigitsNet.forward to run ``action()`` during the n-th training-mode forward (1-based)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, n: int, action: Callable[[], None]) -> None:
-        self.calls, original = 0, train.DigitsNet.forward
+        self.calls, original = 0, DigitsNet.forward
 
         def forward(net: Any, x: torch.Tensor) -> torch.Tensor:
             if net.training:
@@ -87,7 +90,7 @@ class _Forward:
                     action()
             return original(net, x)
 
-        monkeypatch.setattr(train.DigitsNet, "forward", forward)
+        monkeypatch.setattr(DigitsNet, "forward", forward)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -116,7 +119,7 @@ def test_checkpoint_holds_everything_to_resume_and_loads_weights_only(reference_
     checkpoint = _checkpoint(reference_run)  # weights_only=True: tensors and plain containers only
     cfg = _cfg(reference_run)
     metrics = _metrics(reference_run)
-    assert checkpoint["format"] == train.CHECKPOINT_FORMAT
+    assert checkpoint["format"] == CHECKPOINT_FORMAT
     assert checkpoint["config"] == dataclasses.asdict(cfg)
     assert (checkpoint["epoch"], checkpoint["step"], checkpoint["sampler_epoch"]) == (2, 0, 3)  # 2 epochs done
     assert checkpoint["world_size"] == 1 and checkpoint["replicas_per_process"] == 1
@@ -124,10 +127,14 @@ def test_checkpoint_holds_everything_to_resume_and_loads_weights_only(reference_
     assert rng.dtype == torch.uint8 and rng.shape == (1, torch.get_rng_state().numel())
     assert checkpoint["epoch_sums"].tolist() == [[0.0, 0.0, 0.0]]  # nothing of epoch 3 yet
     assert checkpoint["metrics"]["epochs"] == metrics["epochs"]
-    assert checkpoint["scheduler"]["last_epoch"] == 2
+    # The learning rate is a function of the position: the optimizer's groups hold the base (initial_lr) and the
+    # cosine's value for the next epoch, 2 of 2 (0 up to rounding).
+    (group,) = checkpoint["optimizer"]["param_groups"]
+    assert group["initial_lr"] == cfg.train.lr
+    assert group["lr"] == cfg.train.lr * (1 + math.cos(math.pi * 2 / cfg.train.epochs)) / 2
     momentum = [s["momentum_buffer"] for s in checkpoint["optimizer"]["state"].values()]
     assert momentum and all(torch.isfinite(m).all() and m.abs().sum() > 0 for m in momentum)
-    net = train.DigitsNet(cfg.model)
+    net = DigitsNet(cfg.model)
     net.load_state_dict(checkpoint["model"])
     steps = metrics["steps_per_epoch"]
     assert all(b.item() == 2 * steps for n, b in net.named_buffers() if n.endswith("num_batches_tracked"))
@@ -145,7 +152,7 @@ def test_signal_stops_at_the_next_step_and_resume_equals_the_uninterrupted_run(
     def fallback(signum: int, frame: Any) -> None:
         unhandled.append(signum)
 
-    previous = {s: signal.signal(s, fallback) for s in train.StopRequest.SIGNALS}
+    previous = {s: signal.signal(s, fallback) for s in StopRequest.SIGNALS}
     try:
         # The signal arrives during the 8th step of epoch 2; that step completes, then the job stops.
         _Forward(monkeypatch, steps + 8, lambda: os.kill(os.getpid(), signum))
@@ -184,7 +191,7 @@ def test_checkpoint_is_written_atomically_every_epoch(
             raise OSError("disk full")
         real_save(obj, f)
 
-    monkeypatch.setattr(train.torch, "save", save)
+    monkeypatch.setattr(torch, "save", save)
     with pytest.raises(OSError, match="disk full"):
         train.main(_cfg(tmp_path))
     assert saves == [1, 2]
@@ -226,8 +233,8 @@ def test_incompatible_checkpoint_is_refused_before_any_process_group(
     fragments: list[str],
 ) -> None:
     cfg = _cfg(resumable, "resume=true", *overrides)
-    with pytest.raises(train.CheckpointError) as info:
-        train.find_resume_checkpoint(cfg, world_size=1)
+    with pytest.raises(CheckpointError) as info:
+        find_resume_checkpoint(cfg, world_size=1)
     for fragment in fragments:
         assert fragment in str(info.value)
 
@@ -240,18 +247,18 @@ def test_incompatible_checkpoint_is_refused_before_any_process_group(
 
 
 def test_world_size_must_match_the_checkpoint(resumable: Path) -> None:
-    with pytest.raises(train.CheckpointError, match=r"written by 1 process\(es\), this run has 2"):
-        train.find_resume_checkpoint(_cfg(resumable, "resume=true"), world_size=2)
+    with pytest.raises(CheckpointError, match=r"written by 1 process\(es\), this run has 2"):
+        find_resume_checkpoint(_cfg(resumable, "resume=true"), world_size=2)
 
 
 def test_keys_that_do_not_change_a_step_may_change_on_resume(resumable: Path, tmp_path_factory: Any) -> None:
     cfg = _cfg(resumable, "resume=true", "train.epochs=5", "timeout_s=10.0", "data.eval_batch_size=7")
-    assert train.find_resume_checkpoint(cfg, world_size=1)["epoch"] == 1
+    assert find_resume_checkpoint(cfg, world_size=1)["epoch"] == 1
     # Copied elsewhere: output_dir differs from the one in the checkpoint's config.
     moved = tmp_path_factory.mktemp("moved")
     (moved / "checkpoint.pt").write_bytes((resumable / "checkpoint.pt").read_bytes())
-    assert train.find_resume_checkpoint(_cfg(moved, "resume=true"), world_size=1)["epoch"] == 1
-    assert train.find_resume_checkpoint(_cfg(resumable), world_size=1) is None  # resume is off
+    assert find_resume_checkpoint(_cfg(moved, "resume=true"), world_size=1)["epoch"] == 1
+    assert find_resume_checkpoint(_cfg(resumable), world_size=1) is None  # resume is off
 
 
 def test_extending_a_finished_run_continues_on_the_longer_cosine(
@@ -287,8 +294,8 @@ def test_checkpoint_that_would_run_code_is_refused_and_the_code_never_runs(
     checkpoint = _checkpoint(resumable)
     checkpoint["metrics"]["payload"] = _RunsCode(marker)
     torch.save(checkpoint, resumable / "checkpoint.pt")
-    with pytest.raises(train.CheckpointError, match=r"weights_only=True"):
-        train.find_resume_checkpoint(_cfg(resumable, "resume=true"), world_size=1)
+    with pytest.raises(CheckpointError, match=r"weights_only=True"):
+        find_resume_checkpoint(_cfg(resumable, "resume=true"), world_size=1)
     assert not marker.exists()
 
 
@@ -305,8 +312,8 @@ def test_unreadable_or_foreign_checkpoint_is_refused(
     resumable: Path, corrupt: Callable[[Path], None], fragment: str
 ) -> None:
     corrupt(resumable / "checkpoint.pt")
-    with pytest.raises(train.CheckpointError, match="checkpoint") as info:
-        train.find_resume_checkpoint(_cfg(resumable, "resume=true"), world_size=1)
+    with pytest.raises(CheckpointError, match="checkpoint") as info:
+        find_resume_checkpoint(_cfg(resumable, "resume=true"), world_size=1)
     assert fragment in str(info.value)
 
 
@@ -325,10 +332,9 @@ def test_resume_without_a_checkpoint_starts_afresh(
     _assert_same_training(tmp_path, reference_run)
 
 
-def test_resume_cli_flag_sets_resume() -> None:
-    assert train.parse_args(["--resume"]).resume is True
-    assert train.parse_args([]).resume is False
-    assert train.parse_args(["--set", "resume=true"]).resume is True
+def test_resume_override_sets_resume() -> None:
+    assert parse_config(DigitsConfig, ["resume=true"], "").resume is True
+    assert parse_config(DigitsConfig, [], "").resume is False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -336,16 +342,16 @@ def test_resume_cli_flag_sets_resume() -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _stop_one_rank_case(module: ModuleType, runtime: Any, root: str, signal_at: int, sync_bn: str) -> dict[str, Any]:
+def _stop_one_rank_case(runtime: Any, root: str, signal_at: int, sync_bn: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     def cfg(name: str, *overrides: str) -> Any:
         sets = [*QUICK, f"output_dir={root}/{name}_{sync_bn}", f"model.sync_bn={sync_bn}", *overrides]
-        return module.load_config(ROOT / "configs" / "digits.yaml", sets)
+        return load_digits_config(ROOT / "configs" / "digits.yaml", sets)
 
-    assert module.run(cfg("reference"), runtime) == 0
+    assert train.run(cfg("reference"), runtime) == 0
     dist.barrier()  # rank 0 writes after the last collective
-    original, calls = module.DigitsNet.forward, [0]
+    original, calls = DigitsNet.forward, [0]
 
     def forward(net: Any, x: torch.Tensor) -> torch.Tensor:
         if net.training:
@@ -354,22 +360,21 @@ def _stop_one_rank_case(module: ModuleType, runtime: Any, root: str, signal_at: 
                 os.kill(os.getpid(), signal.SIGTERM)  # rank 1 only: rank 0 must learn of it and stop too
         return original(net, x)
 
-    module.DigitsNet.forward = forward
+    DigitsNet.forward = forward
     try:
-        status = module.run(cfg("stopped"), runtime)
+        status = train.run(cfg("stopped"), runtime)
     finally:
-        module.DigitsNet.forward = original
+        DigitsNet.forward = original
     dist.barrier()
-    assert module.run(cfg("stopped", "resume=true"), runtime) == 0
+    assert train.run(cfg("stopped", "resume=true"), runtime) == 0
     dist.barrier()
     return {"status": status, "forwards": calls[0]}
 
 
 def _stop_one_rank_worker(rank: int, world_size: int, root: str, signal_at: int) -> list[dict[str, Any]]:
-    module = load_script("train.py")
-    runtime = module.Runtime(rank, world_size, torch.device("cpu"), True)
+    runtime = Runtime(rank, world_size, torch.device("cpu"), True)
     # sync_bn false: plain BatchNorm, whose running statistics differ across ranks mid-epoch.
-    return [_stop_one_rank_case(module, runtime, root, signal_at, sync_bn) for sync_bn in ("true", "false")]
+    return [_stop_one_rank_case(runtime, root, signal_at, sync_bn) for sync_bn in ("true", "false")]
 
 
 @pytest.mark.distributed
@@ -418,16 +423,16 @@ def test_jobs_started_by_tests_inherit_nothing_from_torchrun() -> None:
 
 
 class _Job:
-    """One torchrun invocation of launch/train.py, its output in ``log``; killed with its workers on close."""
+    """One torchrun invocation of launch.digits.train, its output in ``log``; killed with its workers on close."""
 
     def __init__(
-        self, launcher: list[str], out: Path, *overrides: str, flags: tuple[str, ...] = (), log: str = ""
+        self, launcher: list[str], out: Path, *overrides: str, log: str = ""
     ) -> None:
         self.out, self.log = out, out.parent / f"{log or out.name}.log"
-        sets = [arg for key in [*JOB, f"output_dir={out}", *overrides] for arg in ("--set", key)]
+        sets = [*JOB, f"output_dir={out}", *overrides]
         with open(self.log, "w") as log_file:
             self.proc = subprocess.Popen(
-                [*launcher, "launch/train.py", "--config", "configs/digits.yaml", *sets, *flags],
+                [*launcher, "-m", "launch.digits.train", "--config", "configs/digits.yaml", *sets],
                 cwd=ROOT,
                 env=env_outside_torchrun(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),  # CPU paths, on any machine
                 stdout=log_file,
@@ -517,7 +522,7 @@ def test_sigterm_to_torchrun_mid_training_then_resume_equals_the_uninterrupted_r
     assert 1 <= position["epoch"] < 3  # stopped mid-training, after epoch 1
     assert _metrics(tmp_path / "stopped")["stopped_at"] == {**position, "signal": "SIGTERM"}
 
-    jobs(STANDALONE, tmp_path / "stopped", flags=("--resume",), log="resumed").succeed()
+    jobs(STANDALONE, tmp_path / "stopped", "resume=true", log="resumed").succeed()
     reference.succeed()
     assert _metrics(tmp_path / "stopped")["resumed_from"] == [position]
     _assert_same_training(tmp_path / "stopped", tmp_path / "reference")
@@ -536,7 +541,7 @@ def test_sigkilled_worker_fails_the_run_with_torchrun_report_instead_of_hanging(
     code = job.wait(timeout=90)
     log = job.text()
     assert code != 0, log
-    assert "ChildFailedError" in log and "launch/train.py FAILED" in log
+    assert "ChildFailedError" in log and "launch.digits.train FAILED" in log
     assert f"exitcode  : -9 (pid: {workers[1]})" in log and "Signal 9 (SIGKILL)" in log  # the root cause
     assert "final_test_acc" not in _metrics(tmp_path / "killed")  # it did not finish
 

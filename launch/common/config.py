@@ -64,9 +64,7 @@ def one_of(default: str, *choices: str) -> Any:
 def distinct_ints(default: list[int], minimum: int | None = None) -> Any:
     """A non-empty list of distinct ints, each at least ``minimum`` if given."""
     text = "a non-empty list of distinct ints" + ("" if minimum is None else f" >= {minimum}")
-    return ruled(
-        default, text, lambda v: bool(v) and len(set(v)) == len(v) and (minimum is None or min(v) >= minimum)
-    )
+    return ruled(default, text, lambda v: bool(v) and len(set(v)) == len(v) and (minimum is None or min(v) >= minimum))
 
 
 def check_rules(cfg: Any, prefix: str = "") -> None:
@@ -198,18 +196,14 @@ def to_yaml(cfg: Any, header: str = "") -> str:
 def argument_parser(description: str, default_config: str | None = None) -> argparse.ArgumentParser:
     """A parser with every recipe's arguments: ``--config PATH`` and any number of ``KEY=VALUE`` overrides."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument(
-        "--config", default=default_config, help="YAML config; omitted keys keep their typed defaults"
-    )
+    parser.add_argument("--config", default=default_config, help="YAML config; omitted keys keep their typed defaults")
     parser.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="override a key, dotted for sections: train.epochs=3"
     )
     return parser
 
 
-def parse_config(
-    schema: type[T], argv: Sequence[str] | None, description: str, default_config: str | None = None
-) -> T:
+def parse_config(schema: type[T], argv: Sequence[str] | None, description: str, default_config: str | None = None) -> T:
     """The config from a command line ``[--config PATH] [KEY=VALUE ...]`` (``sys.argv[1:]`` if ``argv`` is None).
 
     Raises:

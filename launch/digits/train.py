@@ -38,7 +38,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -206,14 +205,15 @@ def _run(cfg: DigitsConfig, runtime: Runtime, checkpoint: dict[str, Any] | None,
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the job with the config from the command line ``[--config PATH] [KEY=VALUE ...]``.
+def main(cfg: DigitsConfig | None = None) -> int:
+    """Run the job with ``cfg``, or with the config from the command line ``[--config PATH] [KEY=VALUE ...]``.
 
     Returns 2 (after printing the reason) for a bad config or a checkpoint that cannot be resumed, without
     starting a process group; 0 when training completes or stops on SIGTERM/SIGINT after checkpointing.
     """
     try:
-        cfg = parse_config(DigitsConfig, argv, "Train a BatchNorm CNN on digits with synchronized BatchNorm.")
+        if cfg is None:
+            cfg = parse_config(DigitsConfig, None, "Train a BatchNorm CNN on digits with synchronized BatchNorm.")
         check_launch(cfg)
         checkpoint = find_resume_checkpoint(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as error:
