@@ -175,6 +175,27 @@ def test_shipped_config_sweeps_the_per_rank_batch_at_equal_global_batches() -> N
         assert len({repr(c) for c in resolved.values()}) == 1, b
 
 
+def test_shipped_config_header_commands_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = ROOT / "configs" / "compare.yaml"
+    header = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line[1:].strip())
+    lines = "\n".join(header).replace("\\\n", " ").splitlines()
+    commands = [shlex.split(line) for line in lines if "-m launch.compare.run " in line]
+    assert len(commands) >= 2, "the header gives no launch command or no override example"
+    monkeypatch.chdir(ROOT)  # the commands run from the repository root
+    for argv in commands:
+        module = argv.index("launch.compare.run")
+        assert Path(argv[module - 2]).name.startswith("python") and argv[module - 1] == "-m", argv
+        args = argument_parser("compare").parse_args(argv[module + 1 :])  # no --set: KEY=VALUE overrides
+        assert args.config == "configs/compare.yaml", argv
+        cfg = load_compare_config(args.config, args.overrides)  # valid keys and values
+        for key, value in (override.split("=", 1) for override in args.overrides):
+            assert getattr(cfg, key) == yaml.safe_load(value), f"{argv}: {key}"  # values are parsed as YAML
+
+
 @pytest.mark.parametrize(("scaling", "lr"), [("sqrt", 0.05), ("linear", 0.025), ("constant", 0.1)])
 def test_learning_rate_rule(scaling: str, lr: float) -> None:
     cfg = load_compare_config(None, ["lr=0.1", "lr_batch=64", f"lr_scaling={scaling}"])
