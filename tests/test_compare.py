@@ -1,6 +1,6 @@
-"""Tests of launch/compare.py: the step-by-step equivalence check, the batch schedule, the config, and the report.
+"""Tests of launch.compare: the step-by-step equivalence check, the batch schedule, the config, and the report.
 
-The equivalence check is a correctness test of the library on a training loop: train.py's DDP model with
+The equivalence check is a correctness test of the library on a training loop: the digits job's DDP model with
 syncbn_dist on 2 gloo ranks x 2 images must follow plain ``nn.BatchNorm`` in one process on the 4 images
 step by step, to float32 rounding, while the same harness with plain per-rank BatchNorm must not. The report
 is built from a real (tiny) ``make compare`` run, never from hard-coded numbers.
@@ -9,7 +9,7 @@ is built from a real (tiny) ``make compare`` run, never from hard-coded numbers.
 from __future__ import annotations
 
 import json
-import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,15 +18,20 @@ import matplotlib.image
 import pytest
 import torch
 import yaml
-from launch_scripts import load_script
 from launcher import run_distributed
 from torch.utils.data import DistributedSampler
 
+from launch.common.config import argument_parser
+from launch.common.torchrun import env_outside_torchrun
+from launch.compare import run
+from launch.compare.config import MODES, learning_rate, load_compare_config, run_nproc, run_overrides
+from launch.compare.equivalence import equivalence_steps, global_batches, same_global_batches
+from launch.compare.report import spread
+from launch.compare.summary import mean_pm
+from launch.digits.config import DigitsConfig, load_digits_config
+from launch.digits.runtime import Runtime
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-train = load_script("train.py")
-compare = load_script("compare.py")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -39,10 +44,10 @@ def _equivalence_worker(rank: int, world_size: int, steps: int) -> dict[str, dic
     gen = torch.Generator().manual_seed(7)
     train_set = (torch.randn(16, 1, 8, 8, generator=gen) * 3 + 1, torch.randint(0, 10, (16,), generator=gen))
     test_set = (torch.randn(8, 1, 8, 8, generator=gen) * 3 + 1, torch.randint(0, 10, (8,), generator=gen))
-    runtime = train.Runtime(rank, world_size, torch.device("cpu"), distributed=True)
+    runtime = Runtime(rank, world_size, torch.device("cpu"), distributed=True)
     results = {}
     for sync_bn, dtype in ((True, torch.float64), (True, torch.float32), (False, torch.float64)):
-        cfg = train.load_config(
+        cfg = load_digits_config(
             None,
             [
                 "device=cpu",
@@ -53,7 +58,7 @@ def _equivalence_worker(rank: int, world_size: int, steps: int) -> dict[str, dic
             ],
         )
         name = f"{'sync' if sync_bn else 'plain'} {dtype}"
-        results[name] = compare.equivalence_steps(cfg, runtime, train_set, test_set, steps, dtype)
+        results[name] = equivalence_steps(cfg, runtime, train_set, test_set, steps, dtype)
     return results if rank == 0 else None
 
 
@@ -84,7 +89,7 @@ def test_syncbn_on_ranks_trains_like_batchnorm_on_the_global_batch() -> None:
     for key in ("loss", "params", "running_stats"):
         _assert_all_below(f64[key], 1e-12, f"float64 {key}")
     _assert_all_below([f64["test_logits"]], 1e-12, "float64 test logits")
-    # float32, as train.py trains: the same rounding at 1.2e-7 per operation; BatchNorm over 4 random images is
+    # float32, as the digits job trains: the same rounding at 1.2e-7 per operation; BatchNorm over 4 random images is
     # ill-conditioned, so 3 steps grow it to ~1e-5 (measured 6e-6; the one-process model fed the same batches in
     # reverse order drifts as far, 7e-6, see control_params). 1e-4 is still 1e-3 of plain BatchNorm's difference.
     for key in ("loss", "params", "running_stats"):
@@ -106,13 +111,13 @@ def test_global_batches_are_what_one_process_draws_at_world_size_times_batch(
 ) -> None:
     per_epoch = (num_samples // world_size) // batch_size
     steps = 2 * per_epoch + 1  # into a third epoch
-    batches = compare.global_batches(num_samples, world_size, batch_size, steps, seed=3)
+    batches = global_batches(num_samples, world_size, batch_size, steps, seed=3)
     assert len(batches) == steps
     global_batch = world_size * batch_size
     for step, parts in enumerate(batches):
         epoch, k = divmod(step, per_epoch)
         assert [len(p) for p in parts] == [batch_size] * world_size
-        # Rank r's batch is what train.py's DistributedSampler gives rank r at that step...
+        # Rank r's batch is what the digits job's DistributedSampler gives rank r at that step...
         for rank, part in enumerate(parts):
             sampler = DistributedSampler(range(num_samples), world_size, rank, shuffle=True, seed=3, drop_last=True)
             sampler.set_epoch(epoch + 1)
@@ -124,23 +129,23 @@ def test_global_batches_are_what_one_process_draws_at_world_size_times_batch(
         assert sorted(torch.cat(parts).tolist()) == sorted(expected)
 
 
-def test_same_global_batches_compares_train_py_loaders() -> None:
-    cfg = compare.load_config(ROOT / "configs" / "compare.yaml", ["nproc=2"])
+def test_same_global_batches_compares_the_digits_loaders() -> None:
+    cfg = load_compare_config(ROOT / "configs" / "compare.yaml", ["nproc=2"])
     single, ranks, reseeded_ranks = (
-        train.load_config(cfg.train_config, compare.run_overrides(cfg, mode, 64, seed))
+        load_digits_config(cfg.train_config, run_overrides(cfg, mode, 64, seed))
         for mode, seed in (("single_bn", 0), ("sync_bn", 0), ("sync_bn", 1))
     )
     assert (single.data.batch_size, ranks.data.batch_size) == (128, 64)
-    assert compare.same_global_batches(single, single, 1)  # one process against itself
-    reseeded = train.load_config(cfg.train_config, compare.run_overrides(cfg, "single_bn", 64, 1))
-    assert not compare.same_global_batches(single, reseeded, 1)  # another shuffle: other batches
-    assert not compare.same_global_batches(single, ranks, 1)  # one process at 128 against one at 64
-    # Two ranks x 64 against one process x 128: the same batches. train.py shards with DistributedSampler, whose
+    assert same_global_batches(single, single, 1)  # one process against itself
+    reseeded = load_digits_config(cfg.train_config, run_overrides(cfg, "single_bn", 64, 1))
+    assert not same_global_batches(single, reseeded, 1)  # another shuffle: other batches
+    assert not same_global_batches(single, ranks, 1)  # one process at 128 against one at 64
+    # Two ranks x 64 against one process x 128: the same batches. The digits job shards with DistributedSampler, whose
     # permutation depends on (seed, epoch) only and which gives rank r the positions r, r + 2, ... of it, so the
     # union of the ranks' k-th batches is positions 128k .. 128k + 127, one process's k-th batch (see
-    # compare.global_batches). A loader that shuffled otherwise in one process would break this.
-    assert compare.same_global_batches(ranks, single, 2)
-    assert not compare.same_global_batches(reseeded_ranks, single, 2)  # the ranks on another seed
+    # global_batches). A loader that shuffled otherwise in one process would break this.
+    assert same_global_batches(ranks, single, 2)
+    assert not same_global_batches(reseeded_ranks, single, 2)  # the ranks on another seed
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -149,18 +154,17 @@ def test_same_global_batches_compares_train_py_loaders() -> None:
 
 
 def test_shipped_config_sweeps_the_per_rank_batch_at_equal_global_batches() -> None:
-    cfg = compare.load_config(ROOT / "configs" / "compare.yaml")
+    cfg = load_compare_config(ROOT / "configs" / "compare.yaml")
     assert (cfg.nproc, cfg.batch_sizes, cfg.dropout, cfg.head_bn) == (4, [1, 2, 4, 8, 16], 0.0, True)
     assert len(cfg.seeds) >= 3
     # The rule, by hand: 0.1 x sqrt(global batch / 64) at global batches 4, 8, 16, 32, 64.
     expected_lr = {1: 0.025, 2: 0.1 / 8**0.5, 4: 0.05, 8: 0.1 / 2**0.5, 16: 0.1}
     for b in cfg.batch_sizes:
         resolved = {
-            mode: train.load_config(cfg.train_config, compare.run_overrides(cfg, mode, b, cfg.seeds[0]))
-            for mode in compare.MODES
+            mode: load_digits_config(cfg.train_config, run_overrides(cfg, mode, b, cfg.seeds[0])) for mode in MODES
         }
-        assert [resolved[m].data.batch_size * compare.run_nproc(cfg, m) for m in compare.MODES] == [4 * b] * 3
-        assert [resolved[m].model.sync_bn for m in compare.MODES] == [False, True, False]
+        assert [resolved[m].data.batch_size * run_nproc(cfg, m) for m in MODES] == [4 * b] * 3
+        assert [resolved[m].model.sync_bn for m in MODES] == [False, True, False]
         for mode, c in resolved.items():
             assert c.train.lr == pytest.approx(expected_lr[b], rel=1e-12), (b, mode)  # float rounding only
             # BatchNorm1d in the head except at 1 image per rank, where plain BatchNorm1d cannot train.
@@ -171,19 +175,40 @@ def test_shipped_config_sweeps_the_per_rank_batch_at_equal_global_batches() -> N
         assert len({repr(c) for c in resolved.values()}) == 1, b
 
 
+def test_shipped_config_header_commands_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = ROOT / "configs" / "compare.yaml"
+    header = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line[1:].strip())
+    lines = "\n".join(header).replace("\\\n", " ").splitlines()
+    commands = [shlex.split(line) for line in lines if "-m launch.compare.run " in line]
+    assert len(commands) >= 2, "the header gives no launch command or no override example"
+    monkeypatch.chdir(ROOT)  # the commands run from the repository root
+    for argv in commands:
+        module = argv.index("launch.compare.run")
+        assert Path(argv[module - 2]).name.startswith("python") and argv[module - 1] == "-m", argv
+        args = argument_parser("compare").parse_args(argv[module + 1 :])  # no --set: KEY=VALUE overrides
+        assert args.config == "configs/compare.yaml", argv
+        cfg = load_compare_config(args.config, args.overrides)  # valid keys and values
+        for key, value in (override.split("=", 1) for override in args.overrides):
+            assert getattr(cfg, key) == yaml.safe_load(value), f"{argv}: {key}"  # values are parsed as YAML
+
+
 @pytest.mark.parametrize(("scaling", "lr"), [("sqrt", 0.05), ("linear", 0.025), ("constant", 0.1)])
 def test_learning_rate_rule(scaling: str, lr: float) -> None:
-    cfg = compare.load_config(None, ["lr=0.1", "lr_batch=64", f"lr_scaling={scaling}"])
-    assert compare.learning_rate(cfg, 16) == pytest.approx(lr, rel=1e-12)  # float rounding only
-    assert compare.learning_rate(cfg, 64) == pytest.approx(0.1, rel=1e-12)
+    cfg = load_compare_config(None, ["lr=0.1", "lr_batch=64", f"lr_scaling={scaling}"])
+    assert learning_rate(cfg, 16) == pytest.approx(lr, rel=1e-12)  # float rounding only
+    assert learning_rate(cfg, 64) == pytest.approx(0.1, rel=1e-12)
 
 
 def test_spread_over_seeds() -> None:
-    s = compare.spread([0.5, 0.9, 0.7])
+    s = spread([0.5, 0.9, 0.7])
     assert s["mean"] == pytest.approx(0.7) and s["std"] == pytest.approx(0.2)  # sample std (n - 1) of 0.5, 0.7, 0.9
     assert (s["min"], s["max"], s["n"]) == (0.5, 0.9, 3)
-    assert compare.spread([0.4])["std"] == 0.0
-    assert compare.mean_pm(s, True) == "70.0 ± 20.0 %"
+    assert spread([0.4])["std"] == 0.0
+    assert mean_pm(s, True) == "70.0 ± 20.0 %"
 
 
 @pytest.mark.parametrize(
@@ -199,12 +224,12 @@ def test_spread_over_seeds() -> None:
         ("lr_scaling=cubic", "config key 'lr_scaling'"),
         ("head_bn=1", "config key 'head_bn': expected bool"),
         ("train_overrides=[model.sync_bn=true]", "config key 'train_overrides': 'model.sync_bn'"),
-        ("train_overrides=[model.widht=8]", "unknown config key 'model.widht'"),  # checked on train.py's config
+        ("train_overrides=[model.widht=8]", "unknown config key 'model.widht'"),  # checked on the digits config
     ],
 )
 def test_bad_config_fails_before_anything_runs(tmp_path: Path, override: str, message: str, capsys) -> None:
-    args = ["--config", str(ROOT / "configs" / "compare.yaml"), "--set", override]
-    assert compare.main([*args, "--set", f"output_dir={tmp_path / 'out'}"]) == 2
+    args = ["--config", str(ROOT / "configs" / "compare.yaml"), override]
+    assert run.main([*args, f"output_dir={tmp_path / 'out'}"]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -214,6 +239,15 @@ def test_bad_config_fails_before_anything_runs(tmp_path: Path, override: str, me
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _command_config(command: str, world_size: int) -> DigitsConfig:
+    """The digits config that a recorded ``python``/``torchrun ... -m launch.digits.train ...`` command builds."""
+    words = shlex.split(command)
+    launcher = ["python"] if world_size == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world_size}"]
+    assert words[: len(launcher) + 2] == [*launcher, "-m", "launch.digits.train"], command
+    args = argument_parser("digits").parse_args(words[len(launcher) + 2 :])
+    return load_digits_config(args.config, args.overrides)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_compare_sweep_writes_every_run_figure_and_summary(tmp_path: Path) -> None:
@@ -221,11 +255,9 @@ def test_compare_sweep_writes_every_run_figure_and_summary(tmp_path: Path) -> No
     out, report = tmp_path / "out", tmp_path / "report"
     sets = ["nproc=2", "batch_sizes=[1, 4]", "seeds=[0, 1]", "epochs=1", "train_overrides=[data.test_fraction=0.9]"]
     sets += ["equivalence_steps=2", f"output_dir={out}", f"report_dir={report}"]
-    args = ["--config", "configs/compare.yaml", *(a for s in sets for a in ("--set", s))]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(
-        [sys.executable, "launch/compare.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280
-    )
+    command = [sys.executable, "-m", "launch.compare.run", "--config", "configs/compare.yaml", *sets]
+    env = env_outside_torchrun()
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, f"compare failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     assert sorted(p.name for p in report.iterdir()) == ["compare.json", "compare.md", "compare.png"]
     progress = ("2 ranks", "1/rank plain_bn seed 0", "4/rank sync_bn seed 1", "1 process", "4/rank single_bn seed 1")
@@ -243,20 +275,23 @@ def test_compare_sweep_writes_every_run_figure_and_summary(tmp_path: Path) -> No
         for mode, world_size, transport in (("plain_bn", 2, []), ("sync_bn", 2, ["distributed"]), ("single_bn", 1, [])):
             runs = point["runs"][mode]
             assert [r["seed"] for r in runs] == [0, 1]
-            for r in runs:  # every number is the run's own, as train.py wrote it
+            for r in runs:  # every number is the run's own, as the digits job wrote it
                 metrics = json.loads((out / f"b{b}" / mode / f"seed{r['seed']}" / "metrics.json").read_text())
                 assert r["final_test_acc"] == metrics["final_test_acc"] == metrics["epochs"][-1]["test_acc"]
                 assert r["final_loss"] == metrics["epochs"][-1]["loss"]
                 assert (r["world_size"], r["global_batch_size"], r["bn_transport"]) == (world_size, 2 * b, transport)
                 assert r["lr"] == pytest.approx(lr, rel=1e-12)  # the same rule for the three modes
-                assert r["wall_time_s"] > 0 and f"--set seed={r['seed']}" in r["command"]
-                run_config = yaml.safe_load((out / f"b{b}" / mode / f"seed{r['seed']}" / "config.yaml").read_text())
+                assert r["wall_time_s"] > 0 and f" seed={r['seed']} " in r["command"]
+                run_path = out / f"b{b}" / mode / f"seed{r['seed']}" / "config.yaml"
+                # The recorded command builds the config the run wrote (its resolved config).
+                assert load_digits_config(run_path) == _command_config(r["command"], world_size)
+                run_config = yaml.safe_load(run_path.read_text())
                 assert run_config["model"]["head_bn"] is (b > 1)  # no BatchNorm1d head at 1 image per rank
             acc = [r["final_test_acc"] for r in runs]
             mean, std = sum(acc) / 2, abs(acc[0] - acc[1]) / 2**0.5  # the sample std of two values
             assert point["final_test_acc"][mode]["mean"] == pytest.approx(mean, abs=1e-12)  # rounding only
             assert point["final_test_acc"][mode]["std"] == pytest.approx(std, abs=1e-12)
-        cells = [compare.mean_pm(point["final_test_acc"][m], True) for m in compare.MODES]
+        cells = [mean_pm(point["final_test_acc"][m], True) for m in MODES]
         assert f"| {b if b > 1 else '1*'} | " + " | ".join(cells) + " |" in text  # * : no BatchNorm1d head
 
     assert sorted(result["equivalence"]) == ["float32", "float64"]

@@ -1,0 +1,1 @@
+"""The plain vs synchronized BatchNorm comparison behind ``make compare`` (entry: :mod:`launch.compare.run`)."""
