@@ -45,7 +45,7 @@ test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(NPROC) tests
 
 compare: install
-	OMP_NUM_THREADS=1 $(PY) launch/compare.py --config configs/compare.yaml
+	OMP_NUM_THREADS=1 $(PY) -m launch.compare.run --config configs/compare.yaml $(ARGS)
 
 bench: install
 	$(PY) launch/bench.py --config configs/bench.yaml $(ARGS)
