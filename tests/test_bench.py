@@ -17,10 +17,9 @@ import pytest
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "launch"))
+from launch.bench import run as bench
 
-import bench  # noqa: E402  (launch/ is not a package; the bench runs as a script)
+ROOT = Path(__file__).resolve().parents[1]
 
 WIDTH = 4
 LAYERS = 2
@@ -107,7 +106,7 @@ def _design(channels: list[int]) -> dict[str, tuple[int, list[int]]]:
 def test_bench_runs_end_to_end_and_writes_json_markdown_png(tmp_path: Path) -> None:
     config = _write_configs(tmp_path)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "bench.py"), "--config", str(config)],
+        [sys.executable, "-m", "launch.bench.run", "--config", str(config)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -224,7 +223,8 @@ def test_microbenchmark_on_cuda_includes_torch_syncbatchnorm_function(tmp_path: 
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "launch" / "bench.py"),
+            "-m",
+            "launch.bench.run",
             "--config",
             str(config),
             "scenarios=[]",

@@ -4,10 +4,10 @@ floor, compiled variants, aten ops and collectives per step, memory, and the one
 Commands::
 
     make bench                                               # = the line below, CPU, under 10 minutes
-    .venv/bin/python launch/bench.py --config configs/bench.yaml
-    .venv/bin/python launch/bench.py --config configs/bench.yaml scenario.rounds=5 micro.enabled=false
-    .venv/bin/python launch/bench.py --config configs/bench.yaml scenarios=[bench_compute.yaml]
-    .venv/bin/python launch/bench.py --config configs/bench.yaml device=cuda output_dir=outputs/bench_gpu
+    .venv/bin/python -m launch.bench.run --config configs/bench.yaml
+    .venv/bin/python -m launch.bench.run --config configs/bench.yaml scenario.rounds=5 micro.enabled=false
+    .venv/bin/python -m launch.bench.run --config configs/bench.yaml scenarios=[bench_compute.yaml]
+    .venv/bin/python -m launch.bench.run --config configs/bench.yaml device=cuda output_dir=outputs/bench_gpu
 
 ``key=value`` overrides set config keys (dotted for nested ones; values are YAML); ``scenario.KEY=value``
 sets KEY in every scenario file; ``device=cuda`` (or ``cpu``) sets the device of every scenario and of the
@@ -30,11 +30,12 @@ from typing import Any, Optional
 
 import torch
 import yaml
-from bench_dist import launch, pick_backend
-from bench_micro import micro_worker
-from bench_models import COMPILED_SUFFIX, MODELS, VARIANTS
-from bench_report import markdown, plot, summarize, write_json
-from bench_step import step_worker
+
+from launch.bench.micro import micro_worker
+from launch.bench.models import COMPILED_SUFFIX, MODELS, VARIANTS
+from launch.bench.spawn import launch, pick_backend
+from launch.bench.step import step_worker
+from launch.bench.summary import markdown, plot, summarize, write_json
 
 
 @dataclass
@@ -310,7 +311,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides (scenario.KEY=value for every scenario)")
     args = parser.parse_args(argv)
     cfg, scenarios = load_config(args.config, args.overrides)
-    command = " ".join(["python", "launch/bench.py", "--config", args.config, *args.overrides])
+    command = " ".join(["python", "-m", "launch.bench.run", "--config", args.config, *args.overrides])
     run(cfg, scenarios, command)
     return 0
 

@@ -21,7 +21,7 @@ import random
 import statistics
 from typing import Any, Optional
 
-from bench_models import COMPILED_SUFFIX, LABELS
+from launch.bench.models import COMPILED_SUFFIX, LABELS
 
 P1_BOUND = 1.05
 P3_BOUND = 1.05
