@@ -5,7 +5,7 @@ same initial weights and its own fixed batch (a ``_compiled`` variant is ``torch
 the scenario's ``compile_backend``, compiled during warm-up), then:
 
 1. warms every variant up;
-2. runs one step of each variant under a :class:`~launch.bench.spawn.CollectiveCounter` (collectives per step and
+2. runs one step of each variant under a :class:`~launch.common.counting.CollectiveCounter` (collectives per step and
    bytes per collective, counted, by phase), and one under :class:`~launch.common.counting.OpCounter` (aten
    ops dispatched per step: on a GPU each is a kernel launch or host-side work);
 3. runs ``rounds`` interleaved rounds (``A B C probe, B C A probe, C A B probe, ...``: every variant once per
@@ -39,8 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 from launch.bench.models import COMPILED_SUFFIX, build_model, build_variant
-from launch.bench.spawn import CollectiveCounter
-from launch.common.counting import OpCounter
+from launch.common.counting import CollectiveCounter, OpCounter
 
 _MIB = 2.0**20
 _DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
