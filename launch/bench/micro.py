@@ -94,7 +94,7 @@ def _top_ops(case: _Case, fn: Callable[[Tensor], Tensor], repeats: int, count: i
 
 
 def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str, Any]:
-    """Time every case of ``micro`` (a :class:`launch.bench.run.MicroConfig` as a dict) in a one-member group."""
+    """Time every case of ``micro`` (a :class:`launch.bench.config.MicroConfig` as a dict) in a one-member group."""
     assert world_size == 1, "the microbenchmark runs in a one-member group"
     device = torch.device("cuda", 0) if dist.get_backend() == "nccl" else torch.device("cpu")
     cases = []

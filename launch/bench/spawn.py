@@ -20,13 +20,12 @@ import torch.multiprocessing as mp
 
 
 def pick_backend(world_size: int, device: str) -> str:
-    """``"nccl"`` if ``device`` allows CUDA and there is a GPU for every rank, else ``"gloo"``.
+    """``"nccl"`` if ``device`` ("auto", "cpu" or "cuda", as the config checks) allows CUDA and there is a GPU for
+    every rank, else ``"gloo"``.
 
     Raises:
-        ValueError: if ``device`` is not "auto", "cpu" or "cuda", or "cuda" is asked for without enough GPUs.
+        ValueError: if "cuda" is asked for without enough GPUs.
     """
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"expected device 'auto', 'cpu' or 'cuda' (got {device!r})")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     enough_gpus = gpus >= world_size
     if device == "cuda" and not enough_gpus:

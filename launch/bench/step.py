@@ -215,7 +215,7 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
 
 
 def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[str, Any]:
-    """Measure every variant of ``scenario`` (a :class:`~launch.bench.run.ScenarioConfig` as a dict) at
+    """Measure every variant of ``scenario`` (a :class:`~launch.bench.config.ScenarioConfig` as a dict) at
     ``world_size``."""
     started = time.perf_counter()
     cuda = dist.get_backend() == "nccl"

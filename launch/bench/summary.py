@@ -22,6 +22,7 @@ import statistics
 from typing import Any, Optional
 
 from launch.bench.models import COMPILED_SUFFIX, LABELS
+from launch.common.io import atomic_write
 
 P1_BOUND = 1.05
 P3_BOUND = 1.05
@@ -359,12 +360,6 @@ def summarize(
     }
 
 
-def write_json(summary: dict[str, Any], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(summary, f, indent=1)
-        f.write("\n")
-
-
 def _fmt(value: Optional[float], spec: str = ".3f") -> str:
     return "–" if value is None else format(value, spec)
 
@@ -624,5 +619,5 @@ def plot(summary: dict[str, Any], path: str) -> None:
         if names:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
