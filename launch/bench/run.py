@@ -34,9 +34,10 @@ import torch
 from launch.bench.config import BenchConfig, ResolvedBenchConfig, ScenarioConfig, load_bench
 from launch.bench.micro import micro_worker
 from launch.bench.models import COMPILED_SUFFIX
+from launch.bench.report import markdown, plot
 from launch.bench.spawn import launch, pick_backend
 from launch.bench.step import step_worker
-from launch.bench.summary import markdown, plot, summarize
+from launch.bench.summary import summarize
 from launch.common.config import ConfigError, argument_parser, config_error_exit, to_yaml
 from launch.common.io import write_text
 
