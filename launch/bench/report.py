@@ -117,7 +117,7 @@ def markdown(summary: dict[str, Any]) -> str:
         "",
         "## Every variant: step time, aten ops, collectives, compilation",
         "",
-        "aten ops: dispatched per training step (forward, backward, optimizer; tests/op_counting.py's OpCounter): "
+        "aten ops: dispatched per training step (forward, backward, optimizer; launch/common/counting.py's OpCounter): "
         "on a GPU each is a kernel launch or host work. n/c: not countable this way for compiled variants: under the "
         "dispatch-mode counter they dispatch as many ops as eager (plain BN: the same count), so the counter does not "
         "see the compiled graph (the raw count is in performance.json). Compiled: `torch.compile` of the DDP model "
