@@ -1,15 +1,13 @@
-"""A small ResNet (He et al. 2016, arXiv:1512.03385) for tests, built from launch/resnet_blocks.py's BasicBlock and
-Bottleneck (torchvision's block structure at toy width, the bench's blocks too).
+"""A small ResNet (He et al. 2016, arXiv:1512.03385) for tests, built from launch/bench/resnet_blocks.py's BasicBlock
+and Bottleneck (torchvision's block structure at toy width, the bench's blocks too).
 """
 
 from __future__ import annotations
 
 import torch
-from launch_scripts import load_script
 from torch import Tensor, nn
 
-_blocks = load_script("resnet_blocks.py")
-BasicBlock, Bottleneck = _blocks.BasicBlock, _blocks.Bottleneck
+from launch.bench.resnet_blocks import BasicBlock, Bottleneck
 
 
 class ResNet(nn.Module):

@@ -1,14 +1,18 @@
-"""Smoke test of the benchmark (launch/bench.py): it runs end to end on tiny configs and writes valid outputs.
+"""Smoke test of the benchmark (launch/bench/): it runs end to end on tiny configs and writes valid outputs.
 
 Speed lives in the benchmark, not here: nothing below is timed. What is checked is that the run completes,
 that the JSON, markdown and PNG are well formed, that the collectives the bench counts for syncbn_dist are the
 designed ones (one all_reduce of (2C+1) float64 per layer forward, one of 2C float64 backward, on the conv-BN
-net and the ResNet-style net), and that the in-step floor variant sends exactly those collectives, counted.
+net and the ResNet-style net), and that the in-step floor variant sends exactly those collectives, counted. The
+config: overrides reach the bench file and every scenario file, and every bad config exits 2 naming its key
+before any process starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +21,11 @@ import pytest
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "launch"))
+from launch.bench import run as bench
+from launch.bench.config import ResolvedBenchConfig, ScenarioConfig, load_bench
+from launch.common.config import ConfigError, load_config
 
-import bench  # noqa: E402  (launch/ is not a package; the bench runs as a script)
+ROOT = Path(__file__).resolve().parents[1]
 
 WIDTH = 4
 LAYERS = 2
@@ -107,7 +112,7 @@ def _design(channels: list[int]) -> dict[str, tuple[int, list[int]]]:
 def test_bench_runs_end_to_end_and_writes_json_markdown_png(tmp_path: Path) -> None:
     config = _write_configs(tmp_path)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "bench.py"), "--config", str(config)],
+        [sys.executable, "-m", "launch.bench.run", "--config", str(config)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -119,6 +124,10 @@ def test_bench_runs_end_to_end_and_writes_json_markdown_png(tmp_path: Path) -> N
     summary = json.loads((out / "performance.json").read_text())
     assert [t["id"] for t in summary["targets"]] == ["P1", "P2", "P3", "P4", "P5", "P6", "P7"]
     assert summary["config"]["scenario_configs"][0]["width"] == WIDTH  # the resolved config is kept
+    assert summary["command"] == f"python -m launch.bench.run --config {config}"
+    # ... and written as YAML beside it, which loads back to the same config.
+    resolved = load_config(ResolvedBenchConfig, out / "performance_config.yaml")
+    assert dataclasses.asdict(resolved) == summary["config"]
     (run,) = summary["scenarios"]["tiny"]["runs"]
     assert run["world_size"] == 2 and run["backend"] == "gloo"
     # torch.nn.SyncBatchNorm refuses CPU tensors, so it must be skipped (not crash) on the gloo run.
@@ -190,30 +199,70 @@ def test_bench_runs_end_to_end_and_writes_json_markdown_png(tmp_path: Path) -> N
 
 
 def test_config_rejects_unknown_keys_and_wrong_types(tmp_path: Path) -> None:
-    config = _write_configs(tmp_path)
-    with pytest.raises(KeyError, match="micro.repeets"):
-        bench.load_config(str(config), ["micro.repeets=3"])
-    with pytest.raises(KeyError, match="tiny.yaml:widht"):
-        bench.load_config(str(config), ["scenario.widht=3"])
-    with pytest.raises(TypeError, match="rounds"):
-        bench.load_config(str(config), ["scenario.rounds=many"])
-    with pytest.raises(ValueError, match="unknown variant 'apex'"):
-        bench.load_config(str(config), ["scenario.variants=[bn, apex]"])
+    config = str(_write_configs(tmp_path))
+    with pytest.raises(ConfigError, match="unknown config key 'micro.repeets'"):
+        load_bench(config, ["micro.repeets=3"])
+    with pytest.raises(ConfigError, match="unknown config key 'scenario.widht'"):
+        load_bench(config, ["scenario.widht=3"])
+    with pytest.raises(ConfigError, match="'scenario.rounds': expected int"):
+        load_bench(config, ["scenario.rounds=many"])
+    with pytest.raises(ConfigError, match="'scenario.variants': expected a value listing only .*'apex'"):
+        load_bench(config, ["scenario.variants=[bn, apex]"])
+    # A mistake inside a scenario file names the file and the key.
+    (tmp_path / "tiny_resnet.yaml").write_text(yaml.safe_dump({**TINY_RESNET, "widht": 3}))
+    with pytest.raises(ConfigError, match="tiny_resnet.yaml: unknown config key 'widht'"):
+        load_bench(config)
 
 
 def test_config_overrides_apply_to_top_level_and_every_scenario(tmp_path: Path) -> None:
     config = _write_configs(tmp_path)
-    cfg, scenarios = bench.load_config(str(config), ["micro.repeats=7", "scenario.rounds=9", "plot=false"])
+    cfg, scenarios = load_bench(str(config), ["micro.repeats=7", "scenario.rounds=9", "plot=false"])
     assert cfg.micro.repeats == 7 and cfg.plot is False
     assert [s.rounds for s in scenarios] == [9, 9]
     assert scenarios[0].width == WIDTH  # from the file; unset keys keep their typed defaults
-    assert scenarios[0].in_channels == bench.ScenarioConfig().in_channels
+    assert scenarios[0].in_channels == ScenarioConfig().in_channels
 
 
 def test_shipped_configs_load() -> None:
-    cfg, scenarios = bench.load_config(str(ROOT / "configs" / "bench.yaml"))
+    cfg, scenarios = load_bench(str(ROOT / "configs" / "bench.yaml"))
     assert {"latency", "compute", "resnet_b4", "resnet_b32"} <= {s.name for s in scenarios}
     assert cfg.compute_scenario in {s.name for s in scenarios}
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("micro.repeets=3", "unknown config key 'micro.repeets'"),  # a bad key
+        ("plot=maybe", "config key 'plot': expected bool"),  # a wrong type
+        ("micro.repeats=0", "config key 'micro.repeats': expected a value > 0 (got 0)"),  # out of range
+        ("scenario.rounds=-1", "config key 'scenario.rounds': expected a value > 0 (got -1)"),
+        ("scenario.bucket_cap_mb=0", "config key 'scenario.bucket_cap_mb': expected a value null or > 0"),
+        ("scenario.variants=[bn,apex]", "config key 'scenario.variants': expected a value listing only"),  # unknown
+        ("scenario.model=vgg", "config key 'scenario.model': expected a value one of 'convbn' | 'resnet18'"),
+        ("micro.dtypes=[float32,int8]", "config key 'micro.dtypes'"),
+        ("scenarios=[missing.yaml]", "config key 'scenarios': scenario file missing.yaml not found"),
+        ("scenarios=[tiny.yaml,tiny.yaml]", "config key 'scenarios': expected files of distinct scenario names"),
+        ("rounds", "expected KEY=VALUE"),
+    ],
+)
+def test_main_exits_2_on_a_bad_config_naming_the_key_before_launching(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], override: str, message: str
+) -> None:
+    config = _write_configs(tmp_path)
+
+    def no_launch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a process was launched for a bad config")
+
+    monkeypatch.setattr(bench, "launch", no_launch)
+    assert bench.main(["--config", str(config), override]) == 2
+    (line,) = capsys.readouterr().err.splitlines()  # one line, no traceback
+    assert "error: " in line and message in line
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_main_exits_2_on_a_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
@@ -224,7 +273,8 @@ def test_microbenchmark_on_cuda_includes_torch_syncbatchnorm_function(tmp_path: 
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "launch" / "bench.py"),
+            "-m",
+            "launch.bench.run",
             "--config",
             str(config),
             "scenarios=[]",
@@ -249,12 +299,13 @@ def test_microbenchmark_on_cuda_includes_torch_syncbatchnorm_function(tmp_path: 
 
 
 def test_device_override_reaches_every_scenario_and_the_microbenchmark(tmp_path: Path) -> None:
-    config = _write_configs(tmp_path)
-    cfg, scenarios = bench.load_config(str(config), ["device=cuda"])
+    config = str(_write_configs(tmp_path))
+    cfg, scenarios = load_bench(config, ["device=cuda"])
     assert cfg.micro.device == "cuda" and [s.device for s in scenarios] == ["cuda", "cuda"]
-    with pytest.raises(ValueError, match="device 'auto', 'cpu' or 'cuda'"):
-        bench.load_config(str(config), ["device=tpu"])
-    with pytest.raises(ValueError, match="unknown model 'vgg'"):
-        bench.load_config(str(config), ["scenario.model=vgg"])
-    with pytest.raises(ValueError, match="compiled variants"):
-        bench.load_config(str(config), ["scenario.bucket_cap_mb=0.5"])  # tiny has syncbn_dist_compiled
+    with pytest.raises(ConfigError, match=re.escape("config key 'device': expected a value one of 'auto' | 'cpu' |")):
+        load_bench(config, ["device=tpu"])
+    with pytest.raises(ConfigError, match="config key 'scenario.model'.*got 'vgg'"):
+        load_bench(config, ["scenario.model=vgg"])
+    # tiny has syncbn_dist_compiled: dynamo's DDP optimizer needs buckets of at least 1 MiB.
+    with pytest.raises(ConfigError, match="tiny.yaml: config key 'bucket_cap_mb': compiled variants"):
+        load_bench(config, ["scenario.bucket_cap_mb=0.5"])

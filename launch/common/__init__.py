@@ -1,1 +1,3 @@
-"""What the recipes and the tests share: typed configs, atomic writes, the torchrun runner, op counting."""
+"""What the recipes and the tests share: typed configs, atomic writes, the torchrun runner, op and collective
+counting.
+"""

@@ -78,6 +78,10 @@ def check_rules(cfg: Any, prefix: str = "") -> None:
         if dataclasses.is_dataclass(value):
             check_rules(value, f"{prefix}{f.name}.")
             continue
+        if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):  # a list of sections
+            for index, item in enumerate(value):
+                check_rules(item, f"{prefix}{f.name}[{index}].")
+            continue
         rule = f.metadata.get("rule")
         if rule is not None and not rule.check(value):
             raise ConfigError(f"config key '{prefix}{f.name}': expected a value {rule.text} (got {value!r})")
@@ -121,8 +125,12 @@ def _check_types(schema: type, values: Any, prefix: str = "") -> None:
         if name not in hints:
             continue
         key, tp = f"{prefix}{name}", hints[name]
+        item = get_args(tp)[0] if get_origin(tp) is list and get_args(tp) else None
         if dataclasses.is_dataclass(tp):
             _check_types(tp, value, f"{key}.")
+        elif dataclasses.is_dataclass(item) and isinstance(value, list):  # a list of sections
+            for index, section in enumerate(value):
+                _check_types(item, section, f"{key}[{index}].")
         elif not _strictly(value, tp):
             raise ConfigError(f"config key '{key}': expected {_type_name(tp)} (got {type(value).__name__} {value!r})")
 

@@ -5,7 +5,7 @@ It runs in a one-member process group. ``syncbn_dist`` is forced through its syn
 for one member), so the figure is the local compute of the sync path plus a one-member all_reduce. On CUDA
 it also times torch's own ``SyncBatchNorm`` autograd function at world size 1 (the one ``nn.SyncBatchNorm``
 runs in training). Every variant is timed in the same repetition loop (A B C A B C ...); the result is the
-median per variant, with the aten ops one forward+backward dispatches (``tests/op_counting.py``'s OpCounter).
+median per variant, with the aten ops one forward+backward dispatches (:class:`launch.common.counting.OpCounter`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_step import load_op_counter
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
+from launch.common.counting import OpCounter
 from syncbn_dist.comm import DistributedTransport
 from syncbn_dist.functions import sync_batch_norm
 
@@ -94,7 +94,7 @@ def _top_ops(case: _Case, fn: Callable[[Tensor], Tensor], repeats: int, count: i
 
 
 def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str, Any]:
-    """Time every case of ``micro`` (a :class:`bench.MicroConfig` as a dict) in a one-member group."""
+    """Time every case of ``micro`` (a :class:`launch.bench.config.MicroConfig` as a dict) in a one-member group."""
     assert world_size == 1, "the microbenchmark runs in a one-member group"
     device = torch.device("cuda", 0) if dist.get_backend() == "nccl" else torch.device("cpu")
     cases = []
@@ -124,7 +124,7 @@ def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str,
                 medians = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
                 ops = {}
                 for name, fn in fns.items():
-                    with load_op_counter()() as counter:
+                    with OpCounter() as counter:
                         case.run(fn)
                     ops[name] = counter.total
                 ratio = medians["syncbn_dist"] / medians["F.batch_norm"]

@@ -2,9 +2,9 @@
 
 BasicBlock and Bottleneck: BatchNorm after every convolution, a 1x1 convolution plus BatchNorm in the
 downsampling shortcut, and the last BatchNorm of each block zero-initialised (``zero_init_residual=True``, Goyal
-et al. 2017), so each block starts as its shortcut. Shared by the bench's ResNet-18-style network
-(``bench_models.py``) and the tests' small ResNet (``tests/resnet.py``). torchvision itself is not used: its wheel
-on the registry is a CUDA build whose ops do not load with the CPU torch this project installs.
+et al. 2017), so each block starts as its shortcut. Shared by the bench's ResNet-18-style network (:mod:`.models`)
+and the tests' small ResNet (``tests/resnet.py``). torchvision itself is not used: its wheel on the registry is a
+CUDA build whose ops do not load with the CPU torch this project installs.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ same initial weights and its own fixed batch (a ``_compiled`` variant is ``torch
 the scenario's ``compile_backend``, compiled during warm-up), then:
 
 1. warms every variant up;
-2. runs one step of each variant under a :class:`~bench_dist.CollectiveCounter` (collectives per step and
-   bytes per collective, counted, by phase), and one under ``tests/op_counting.py``'s ``OpCounter`` (aten
+2. runs one step of each variant under a :class:`~launch.common.counting.CollectiveCounter` (collectives per step and
+   bytes per collective, counted, by phase), and one under :class:`~launch.common.counting.OpCounter` (aten
    ops dispatched per step: on a GPU each is a kernel launch or host-side work);
 3. runs ``rounds`` interleaved rounds (``A B C probe, B C A probe, C A B probe, ...``: every variant once per
    round, the starting one rotating) so that machine drift and position effects hit every variant alike. A
@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import importlib.util
 import inspect
 import json
 import os
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -36,26 +34,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_dist import CollectiveCounter
-from bench_models import COMPILED_SUFFIX, build_model, build_variant
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
+from launch.bench.models import COMPILED_SUFFIX, build_model, build_variant
+from launch.common.counting import CollectiveCounter, OpCounter
+
 _MIB = 2.0**20
 _DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
-
-
-def load_op_counter() -> type:
-    """The test suite's ``OpCounter`` (tests/op_counting.py), the one op counter of the project."""
-    name = "syncbn_bench_op_counting"
-    if name not in sys.modules:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "op_counting.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name].OpCounter
 
 
 class _Runner:
@@ -228,7 +215,8 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
 
 
 def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[str, Any]:
-    """Measure every variant of ``scenario`` (a :class:`bench.ScenarioConfig` as a dict) at ``world_size``."""
+    """Measure every variant of ``scenario`` (a :class:`~launch.bench.config.ScenarioConfig` as a dict) at
+    ``world_size``."""
     started = time.perf_counter()
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -269,10 +257,9 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
         with CollectiveCounter() as counter:
             runner.step(counter)
         collectives[name] = counter.calls
-    op_counter = load_op_counter()
     ops: dict[str, int] = {}
     for name, runner in runners.items():
-        with op_counter() as counter:
+        with OpCounter() as counter:
             runner.step()
         ops[name] = counter.total
 

@@ -22,11 +22,11 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from resnet_blocks import BasicBlock
 from torch import Tensor, nn
 from torch.autograd import Function
 
 import syncbn_dist
+from launch.bench.resnet_blocks import BasicBlock
 
 EAGER_VARIANTS = ("bn", "syncbn_dist", "syncbn_dist_dedicated", "floor", "naive", "torch_syncbn")
 COMPILED_SUFFIX = "_compiled"
