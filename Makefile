@@ -48,7 +48,7 @@ compare: install
 	OMP_NUM_THREADS=1 $(PY) -m launch.compare.run --config configs/compare.yaml $(ARGS)
 
 bench: install
-	$(PY) launch/bench.py --config configs/bench.yaml $(ARGS)
+	$(PY) -m launch.bench.run --config configs/bench.yaml $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check syncbn_dist launch tests
