@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from launch.bench.models import COMPILED_SUFFIX, MODELS, VARIANTS
 from launch.common.config import ConfigError, distinct_ints, load_config, non_negative, one_of, positive, ruled
+from launch.common.readme import check_readme_key
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -27,6 +28,10 @@ def _each_of(default: list[str], choices: Sequence[str]) -> Any:
     """A list of strings, each from ``choices``."""
     text = "listing only " + " | ".join(repr(c) for c in choices)
     return ruled(default, text, lambda v: all(item in choices for item in v))
+
+
+# The README section a run rewrites when ``readme`` is set (launch.common.readme).
+README_SECTION = "performance table"
 
 
 @dataclass
@@ -96,6 +101,8 @@ class BenchConfig:
     compute_scenario: str = "compute"  # the scenario P1 is judged on
     micro: MicroConfig = field(default_factory=MicroConfig)
     plot: bool = True
+    # A markdown file whose "performance table" section this run rewrites (README.md for make bench), or null.
+    readme: Optional[str] = None
 
 
 @dataclass
@@ -170,4 +177,5 @@ def load_bench(path: str, overrides: Sequence[str] = ()) -> tuple[BenchConfig, l
     names = [s.name for s in scenarios]
     if len(set(names)) != len(names):
         raise ConfigError(f"config key 'scenarios': expected files of distinct scenario names (got {names})")
+    check_readme_key(cfg.readme, README_SECTION)
     return cfg, scenarios

@@ -36,6 +36,29 @@ def _median(run: dict[str, Any], variant: str) -> Optional[float]:
     return None if entry is None else entry["median_ms"]
 
 
+def readme_tables(summary: dict[str, Any]) -> str:
+    """The README's generated ``performance table`` section: the targets, and per config and world size the median
+    step of (a), (b), (f), (c), P1 and compiled (b) / eager (b). The numbers are :func:`markdown`'s."""
+    status = {True: "pass", False: "MISS", None: "–"}
+    rows = [
+        [f"{t['id']} {t['description']}", fmt(t["measured"], ".2f"), fmt(t["bound"], "g"), status[t["passed"]]]
+        for t in summary["targets"]
+    ]
+    out = _table(["target", "measured", "bound", "status"], rows) + [""]
+    rows = []
+    for name, scenario in summary["scenarios"].items():
+        for run in scenario["runs"]:
+            times = [_median(run, v) for v in ("bn", "syncbn_dist", "floor", "naive")]
+            rows.append(
+                [name, str(run["world_size"])]
+                + [fmt(t, ".1f") + " ms" if t is not None else "–" for t in times]
+                + [fmt(run.get("overhead_over_in_step_floor"), ".2f"), fmt(run.get("compiled_over_eager"), ".2f")]
+            )
+    header = ["config", "W", "(a) BN", "(b) syncbn_dist", "(f) in-step floor", "(c) naive"]
+    out += _table(header + ["P1 = ((b)−(a))/((f)−(a))", "compiled (b) / eager (b)"], rows)
+    return "\n".join(out) + "\n"
+
+
 def markdown(summary: dict[str, Any]) -> str:
     """The report: step times, floors and overhead, ops, collectives, memory, microbenchmark, targets."""
     machine = summary["machine"]

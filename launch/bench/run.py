@@ -31,15 +31,16 @@ from typing import Any, Optional
 
 import torch
 
-from launch.bench.config import BenchConfig, ResolvedBenchConfig, ScenarioConfig, load_bench
+from launch.bench.config import README_SECTION, BenchConfig, ResolvedBenchConfig, ScenarioConfig, load_bench
 from launch.bench.micro import micro_worker
 from launch.bench.models import COMPILED_SUFFIX
-from launch.bench.report import markdown, plot
+from launch.bench.report import markdown, plot, readme_tables
 from launch.bench.spawn import launch, pick_backend
 from launch.bench.step import step_worker
 from launch.bench.summary import summarize
 from launch.common.config import ConfigError, argument_parser, config_error_exit, to_yaml
 from launch.common.io import write_text
+from launch.common.readme import fill_section
 
 
 def _machine() -> dict[str, Any]:
@@ -124,6 +125,8 @@ def run(cfg: BenchConfig, scenarios: list[ScenarioConfig], command: str) -> dict
     )
     write_text(os.path.join(cfg.output_dir, "performance_config.yaml"), to_yaml(resolved, header))
     write_text(os.path.join(cfg.output_dir, "performance.md"), table)
+    if cfg.readme is not None:
+        fill_section(cfg.readme, README_SECTION, readme_tables(summary))
     if cfg.plot:
         plot(summary, os.path.join(cfg.output_dir, "performance.png"))
     print(table)

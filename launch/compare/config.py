@@ -12,6 +12,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from launch.common.config import (
     ConfigError,
@@ -22,11 +23,16 @@ from launch.common.config import (
     positive,
     ruled,
 )
+from launch.common.readme import check_readme_key
 from launch.digits.config import DigitsConfig, check_launch, load_digits_config
 
 MODES = ("plain_bn", "sync_bn", "single_bn")
 RANKS_MODES = ("plain_bn", "sync_bn")  # the runs on nproc ranks, in one torchrun launch (launch.compare.ranks)
 SINGLE_MODES = ("single_bn",)  # the one-process runs
+
+
+# The README section the report rewrites when ``readme`` is set (launch.common.readme).
+README_SECTION = "compare table"
 
 
 @dataclass
@@ -35,6 +41,8 @@ class CompareConfig:
 
     output_dir: str = "outputs/compare"  # each run's config.yaml, metrics.json, checkpoint.pt and log.txt
     report_dir: str = "docs"  # compare.png, compare.md and compare.json (the README shows the figure)
+    # A markdown file whose "compare table" section the report rewrites (README.md for make compare), or null.
+    readme: Optional[str] = None
     train_config: str = "configs/digits.yaml"
     nproc: int = positive(4)  # ranks of the plain and synchronized runs
     batch_sizes: list[int] = distinct_ints([1, 2, 4, 8, 16], 1)  # images per rank; the reference uses nproc * b
@@ -114,11 +122,13 @@ def parse_compare_config(argv: Sequence[str] | None, description: str) -> Compar
     """The config from a command line ``[--config PATH] [KEY=VALUE ...]``, every run of it checked.
 
     Raises:
-        ConfigError: see :func:`load_compare_config` and :func:`check_runs`.
+        ConfigError: see :func:`load_compare_config` and :func:`check_runs`; or ``readme`` names a file without
+            the README section this recipe writes.
     """
     args = argument_parser(description).parse_args(argv)
     cfg = load_compare_config(args.config, args.overrides)
     check_runs(cfg)
+    check_readme_key(cfg.readme, README_SECTION)
     return cfg
 
 

@@ -43,11 +43,12 @@ from typing import Any
 
 from launch.common.config import ConfigError, config_error_exit
 from launch.common.io import write_json, write_text
-from launch.compare.config import MODES, CompareConfig, parse_compare_config
+from launch.common.readme import fill_section
+from launch.compare.config import MODES, README_SECTION, CompareConfig, parse_compare_config
 from launch.compare.plot import plot
 from launch.compare.report import collect
 from launch.compare.runs import run_all
-from launch.compare.summary import summary
+from launch.compare.summary import accuracy_table, summary
 
 log = logging.getLogger("compare")
 
@@ -59,6 +60,8 @@ def report(cfg: CompareConfig, times: dict[str, float]) -> dict[str, Any]:
     write_json(out / "compare.json", result)
     plot(result, out / "compare.png")
     write_text(out / "compare.md", summary(result, "compare.png"))
+    if cfg.readme is not None:
+        fill_section(cfg.readme, README_SECTION, "\n".join(accuracy_table(result)))
     return result
 
 

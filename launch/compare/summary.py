@@ -24,6 +24,21 @@ def mean_pm(s: dict[str, float], percent: bool) -> str:
     return f"{s['mean']:.4f} ± {s['std']:.4f}"
 
 
+def accuracy_table(result: dict[str, Any]) -> list[str]:
+    """The final test accuracy per point and mode, mean ± std over the seeds: a markdown table (compare.md's first,
+    and the README's generated ``compare table`` section)."""
+    lines = [
+        "| images per rank | plain BatchNorm | syncbn_dist | one process, same global batch |",
+        "|---|---|---|---|",
+    ]
+    for p in result["points"]:
+        acc = p["final_test_acc"]
+        lines.append(
+            f"| {point_label(result['config'], p)} | " + " | ".join(mean_pm(acc[m], True) for m in MODES) + " |"
+        )
+    return lines
+
+
 def summary(result: dict[str, Any], figure: str) -> str:
     """compare.md: the figure, the sweep's means and spreads, and the step-by-step check, as markdown."""
     cfg, points = result["config"], result["points"]
@@ -60,12 +75,8 @@ def summary(result: dict[str, Any], figure: str) -> str:
         f"Final test accuracy, mean ± standard deviation over the {len(seeds)} seeds (min–max in the figure, every "
         f"run in compare.json):",
         "",
-        "| images per rank | plain BatchNorm | syncbn_dist | one process, same global batch |",
-        "|---|---|---|---|",
+        *accuracy_table(result),
     ]
-    for p in points:
-        acc = p["final_test_acc"]
-        lines.append(f"| {point_label(cfg, p)} | " + " | ".join(mean_pm(acc[m], True) for m in MODES) + " |")
     lines += [
         "",
         "Final training loss (mean over the last epoch), and the run settings:",
