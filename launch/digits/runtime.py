@@ -27,6 +27,8 @@ class Runtime:
 
 
 def pick_device(cfg: DigitsConfig, local_rank: int) -> torch.device:
+    """The device of this process: the CPU, or with CUDA (``device: cuda``, or ``auto`` with a GPU) GPU
+    ``local_rank`` (DDP) or GPU 0 (DataParallel, which scatters from it)."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if not use_cuda:
         return torch.device("cpu")
