@@ -13,12 +13,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.data import DistributedSampler
 
 from launch.digits.config import DigitsConfig
 from launch.digits.data import build_loaders
+from launch.digits.loop import sgd_step
 from launch.digits.model import build_model
+from launch.digits.optim import build_optimizer
 from launch.digits.runtime import Runtime
 
 DTYPES = (torch.float32, torch.float64)  # the check's dtypes: as trained, and to show what is rounding
@@ -110,22 +112,6 @@ def state_differences(a: dict[str, Tensor], b: dict[str, Tensor]) -> dict[str, f
     }
 
 
-def _optimizer(net: nn.Module, cfg: DigitsConfig) -> torch.optim.Optimizer:
-    """The digits job's optimizer, at a constant learning rate (its cosine schedule steps once per epoch)."""
-    t = cfg.train
-    return torch.optim.SGD(
-        net.parameters(), lr=t.lr, momentum=t.momentum, nesterov=t.momentum > 0, weight_decay=t.weight_decay
-    )
-
-
-def _sgd_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: Tensor, labels: Tensor) -> Tensor:
-    loss = nn.functional.cross_entropy(model(images), labels)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
-
-
 def _accuracy(logits: Tensor, labels: Tensor) -> float:
     return (logits.argmax(1) == labels).double().mean().item()
 
@@ -177,8 +163,9 @@ def equivalence_steps(
                 singles.append(build_model(cfg, Runtime(0, 1, device, False))[0])
     finally:
         torch.set_default_dtype(default_dtype)
-    optimizer = _optimizer(net, cfg)
-    single_opts = [_optimizer(single, cfg) for single in singles]
+    # The job's optimizer at a constant learning rate: its cosine schedule steps once per epoch.
+    optimizer = build_optimizer(net, cfg.train)
+    single_opts = [build_optimizer(single, cfg.train) for single in singles]
     keys = ("loss_ranks", "loss_single", "loss", "params", "running_stats", "num_batches_tracked_equal")
     keys += ("control_loss", "control_params", "control_running_stats")
     record: dict[str, list[Any]] = {k: [] for k in keys}
@@ -186,14 +173,14 @@ def equivalence_steps(
         m.train()
     for batch in batches:
         mine = batch[rank]
-        loss = _sgd_step(model, optimizer, images[mine], labels[mine])
+        _, loss = sgd_step(model, optimizer, images[mine], labels[mine])
         total = torch.tensor([loss.item() * len(mine), len(mine)], dtype=torch.float64, device=device)
         dist.all_reduce(total)
         if rank != 0:
             continue
         everything = torch.cat(batch)
         single_loss, control_loss = (
-            _sgd_step(m, opt, images[order], labels[order]).item()
+            sgd_step(m, opt, images[order], labels[order])[1].item()
             for m, opt, order in zip(singles, single_opts, (everything, everything.flip(0)))
         )
         loss_ranks = (total[0] / total[1]).item()

@@ -3,7 +3,7 @@
 The checkpoint holds the model and optimizer, the position (completed epochs, completed steps of the next one,
 the sampler epoch), every rank's RNG states and running sums, the metrics so far and the config, all as tensors
 and plain containers: it loads with ``torch.load(weights_only=True)``. The learning rate is a closed-form function
-of the position (:func:`launch.digits.train.cosine_schedule`), so no scheduler state is saved.
+of the position (:func:`launch.digits.optim.cosine_schedule`), so no scheduler state is saved.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def restore(
 ) -> EpochProgress:
     """Load the checkpoint into the model, the optimizer and this rank's generators; its epoch progress.
 
-    The learning rate is not restored: the caller's :func:`~launch.digits.train.cosine_schedule` sets it from the
+    The learning rate is not restored: the caller's :func:`~launch.digits.optim.cosine_schedule` sets it from the
     position, on the cosine of the current ``train.epochs`` (which may have changed).
     """
     if checkpoint["replicas_per_process"] != replicas:

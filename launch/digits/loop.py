@@ -34,6 +34,19 @@ class EpochProgress:
     count: int = 0
 
 
+def sgd_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, images: Tensor, labels: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One optimizer step on the cross-entropy of ``model(images)``; the logits (N, classes) and the mean loss,
+    both detached."""
+    logits = model(images)
+    loss = nn.functional.cross_entropy(logits, labels)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return logits.detach(), loss.detach()
+
+
 def train_steps(
     model: nn.Module,
     loader: DataLoader,
@@ -53,7 +66,6 @@ def train_steps(
         0 when the epoch is complete, else the number of the signal that stopped it.
     """
     model.train()
-    loss_fn = nn.CrossEntropyLoss()
     batches = itertools.islice(loader, progress.step, None)
     show = progress_bar and runtime.is_main
     bar = tqdm(batches, desc=desc, total=len(loader), initial=progress.step, leave=False, disable=not show)
@@ -63,11 +75,7 @@ def train_steps(
             bar.close()
             return signum
         images, labels = images.to(runtime.device), labels.to(runtime.device)
-        logits = model(images)
-        loss = loss_fn(logits, labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        logits, loss = sgd_step(model, optimizer, images, labels)
         progress.loss_sum += loss.item() * len(labels)
         progress.correct += (logits.argmax(1) == labels).sum().item()
         progress.count += len(labels)

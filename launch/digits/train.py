@@ -33,7 +33,6 @@ checkpointed; the data order is a function of ``(seed, sampler epoch)``.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import sys
@@ -60,25 +59,11 @@ from launch.digits.config import DigitsConfig, check_launch
 from launch.digits.data import build_loaders
 from launch.digits.loop import EpochProgress, check_same_on_all_ranks, epoch_means, evaluate, train_steps
 from launch.digits.model import bn_transports, build_model
+from launch.digits.optim import build_optimizer, cosine_schedule
 from launch.digits.runtime import Runtime, init_distributed
 from launch.digits.stop import StopRequest
 
 log = logging.getLogger("train")
-
-
-def cosine_schedule(
-    optimizer: torch.optim.Optimizer, epochs: int, completed: int = 0
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """The per-epoch cosine schedule (Loshchilov & Hutter 2017, arXiv:1608.03983, without restarts), in closed
-    form: epoch ``e`` (0-based) runs at ``lr * (1 + cos(pi * e / epochs)) / 2``.
-
-    The learning rate is a function of the position alone, so a resumed run (``completed`` epochs done, and the
-    optimizer's state loaded, which holds each group's ``initial_lr``) continues on the cosine of the current
-    ``epochs``, also when ``train.epochs`` changed.
-    """
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda epoch: (1 + math.cos(math.pi * epoch / epochs)) / 2, last_epoch=completed - 1
-    )
 
 
 def run(cfg: DigitsConfig, runtime: Runtime, checkpoint: dict[str, Any] | None = None) -> int:
@@ -98,13 +83,7 @@ def _run(cfg: DigitsConfig, runtime: Runtime, checkpoint: dict[str, Any] | None,
     model, net, replicas = build_model(cfg, runtime)
     torch.manual_seed(cfg.seed + runtime.rank)  # then different dropout masks per rank
     train_loader, test_loader, sampler = build_loaders(cfg, runtime, replicas)
-    optimizer = torch.optim.SGD(
-        net.parameters(),
-        lr=cfg.train.lr,
-        momentum=cfg.train.momentum,
-        nesterov=cfg.train.momentum > 0,
-        weight_decay=cfg.train.weight_decay,
-    )
+    optimizer = build_optimizer(net, cfg.train)
     metrics: dict[str, Any] = {
         "parallel": cfg.parallel,
         "world_size": runtime.world_size,
