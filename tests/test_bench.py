@@ -250,6 +250,11 @@ def test_shipped_configs_load() -> None:
         ("scenarios=[missing.yaml]", "config key 'scenarios': scenario file missing.yaml not found"),
         ("scenarios=[tiny.yaml,tiny.yaml]", "config key 'scenarios': expected files of distinct scenario names"),
         ("rounds", "expected KEY=VALUE"),
+        pytest.param(
+            "micro.device=cuda",
+            "config key 'micro.device': 'cuda' was asked for but CUDA is not available",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal needs a machine without CUDA"),
+        ),
     ],
 )
 def test_main_exits_2_on_a_bad_config_naming_the_key_before_launching(

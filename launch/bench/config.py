@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
+
 from launch.bench.models import COMPILED_SUFFIX, MODELS, VARIANTS
 from launch.common.config import ConfigError, distinct_ints, load_config, non_negative, one_of, positive, ruled
 from launch.common.readme import check_readme_key
@@ -177,5 +179,8 @@ def load_bench(path: str, overrides: Sequence[str] = ()) -> tuple[BenchConfig, l
     names = [s.name for s in scenarios]
     if len(set(names)) != len(names):
         raise ConfigError(f"config key 'scenarios': expected files of distinct scenario names (got {names})")
+    if cfg.micro.enabled and cfg.micro.device == "cuda" and not torch.cuda.is_available():
+        key = "device" if cfg.device == "cuda" else "micro.device"
+        raise ConfigError(f"config key '{key}': 'cuda' was asked for but CUDA is not available")
     check_readme_key(cfg.readme, README_SECTION)
     return cfg, scenarios
