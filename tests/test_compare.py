@@ -18,6 +18,7 @@ import matplotlib.image
 import pytest
 import torch
 import yaml
+from config_headers import header_commands
 from launcher import run_distributed
 from torch.utils.data import DistributedSampler
 
@@ -178,13 +179,7 @@ def test_shipped_config_sweeps_the_per_rank_batch_at_equal_global_batches() -> N
 
 def test_shipped_config_header_commands_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
     path = ROOT / "configs" / "compare.yaml"
-    header = []
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        header.append(line[1:].strip())
-    lines = "\n".join(header).replace("\\\n", " ").splitlines()
-    commands = [shlex.split(line) for line in lines if "-m launch.compare.run " in line]
+    commands = header_commands(path, "launch.compare.run")
     assert len(commands) >= 2, "the header gives no launch command or no override example"
     monkeypatch.chdir(ROOT)  # the commands run from the repository root
     for argv in commands:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from config_headers import header_commands
 from launcher import run_distributed
 from torch.distributed.run import get_args_parser
 
@@ -35,7 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 NUM_TRAIN = 1797 - math.ceil(0.2 * 1797)
 
 
-
 def _yaml(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "config.yaml"
     path.write_text(text)
@@ -45,17 +44,6 @@ def _yaml(tmp_path: Path, text: str) -> Path:
 # ---------------------------------------------------------------------------------------------------------
 # Config.
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _header_commands(path: Path) -> list[list[str]]:
-    """The command lines of a config's header comment that run launch.digits.train, continuations joined, as argv."""
-    header = []
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        header.append(line[1:].strip())
-    lines = "\n".join(header).replace("\\\n", " ").splitlines()
-    return [shlex.split(line) for line in lines if "-m launch.digits.train" in line]  # not prose naming the module
 
 
 def _overrides(args: list[str]) -> list[str]:
@@ -78,7 +66,7 @@ def test_shipped_configs_load_and_their_header_commands_run_them(
     # The header's commands, parsed the way torchrun and the job parse them, from the repository root.
     monkeypatch.chdir(ROOT)
     launched = overridden = 0
-    for argv in _header_commands(path):
+    for argv in header_commands(path, "launch.digits.train"):
         module = argv.index("launch.digits.train")
         script_args = argv[module + 1 :]
         overrides = _overrides(script_args)
