@@ -179,8 +179,17 @@ def load_bench(path: str, overrides: Sequence[str] = ()) -> tuple[BenchConfig, l
     names = [s.name for s in scenarios]
     if len(set(names)) != len(names):
         raise ConfigError(f"config key 'scenarios': expected files of distinct scenario names (got {names})")
+    check_readme_key(cfg.readme, README_SECTION)
+    return cfg, scenarios
+
+
+def check_launch(cfg: BenchConfig) -> None:
+    """Reject a config this machine cannot run, before anything starts. Scenarios' world sizes above the GPU count
+    are skipped and reported instead; the microbenchmark has nothing to fall back to.
+
+    Raises:
+        ConfigError: for an enabled microbenchmark on ``cuda`` without CUDA (``device=cuda`` or ``micro.device``).
+    """
     if cfg.micro.enabled and cfg.micro.device == "cuda" and not torch.cuda.is_available():
         key = "device" if cfg.device == "cuda" else "micro.device"
         raise ConfigError(f"config key '{key}': 'cuda' was asked for but CUDA is not available")
-    check_readme_key(cfg.readme, README_SECTION)
-    return cfg, scenarios

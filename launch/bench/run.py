@@ -31,7 +31,14 @@ from typing import Any, Optional
 
 import torch
 
-from launch.bench.config import README_SECTION, BenchConfig, ResolvedBenchConfig, ScenarioConfig, load_bench
+from launch.bench.config import (
+    README_SECTION,
+    BenchConfig,
+    ResolvedBenchConfig,
+    ScenarioConfig,
+    check_launch,
+    load_bench,
+)
 from launch.bench.micro import micro_worker
 from launch.bench.models import COMPILED_SUFFIX
 from launch.bench.report import markdown, plot, readme_tables
@@ -143,6 +150,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg, scenarios = load_bench(args.config, args.overrides)
+        check_launch(cfg)
     except ConfigError as error:
         return config_error_exit(error)
     command = " ".join(["python", "-m", "launch.bench.run", "--config", args.config, *args.overrides])
