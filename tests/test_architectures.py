@@ -22,11 +22,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from launcher import run_distributed
 from resnet import resnet
 from torch import Tensor, nn
 
 import syncbn_dist
+from launch.common.spawn import run_distributed
 from syncbn_dist import DataParallelWithCallback, SyncBatchNorm
 
 STEPS = 3

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from closeness import assert_close
-from launcher import run_distributed
 from torch import Tensor, nn
 
+from launch.common.spawn import run_distributed
 from syncbn_dist import (
     SyncBatchNorm,
     SynchronizedBatchNorm1d,

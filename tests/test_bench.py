@@ -265,7 +265,7 @@ def test_main_exits_2_on_a_bad_config_naming_the_key_before_launching(
     def no_launch(*args: object, **kwargs: object) -> None:
         raise AssertionError("a process was launched for a bad config")
 
-    monkeypatch.setattr(bench, "launch", no_launch)
+    monkeypatch.setattr(bench, "run_distributed", no_launch)
     assert bench.main(["--config", str(config), override]) == 2
     (line,) = capsys.readouterr().err.splitlines()  # one line, no traceback
     assert "error: " in line and message in line

@@ -3,7 +3,7 @@
 The thread tests use real threads and the real :class:`SyncMaster`; nothing waits on a clock except where a
 timeout is the behaviour under test (then it is short), and waits that must be ended by an abort use a long
 timeout, so only the abort can end them before pytest-timeout does. The distributed tests use real gloo
-process groups through ``tests/launcher.py``; collectives are recorded by the c10d ops they dispatch
+process groups through ``launch/common/spawn.py``; collectives are recorded by the c10d ops they dispatch
 (``launch.common.counting.OpCounter``, one per thread; the real collectives run).
 """
 
@@ -15,10 +15,10 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
-from launcher import run_distributed
 from torch import Tensor
 
 from launch.common.counting import OpCounter
+from launch.common.spawn import run_distributed
 from syncbn_dist.comm import (
     DataParallelTransport,
     DistributedTransport,

@@ -19,11 +19,11 @@ import pytest
 import torch
 import yaml
 from config_headers import header_commands
-from launcher import run_distributed
 from torch.utils.data import DistributedSampler
 
 from launch.common.config import argument_parser
 from launch.common.readme import read_section
+from launch.common.spawn import run_distributed
 from launch.common.torchrun import env_outside_torchrun
 from launch.compare import run
 from launch.compare.config import MODES, README_SECTION, learning_rate, load_compare_config, run_nproc, run_overrides

@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 import torch
-from launcher import run_distributed
 from torch import Tensor, nn
 
 import syncbn_dist
+from launch.common.spawn import run_distributed
 from launch.common.torchrun import env_outside_torchrun
 
 C = 4

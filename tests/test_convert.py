@@ -1,7 +1,7 @@
 """Tests of syncbn_dist.convert: convert_model / revert_model keep tensors, settings and state_dict, at any depth.
 
 Single process (torch.distributed not initialized, so every synchronized layer runs locally), except the
-DistributedDataParallel check, which needs a real one-rank gloo group from ``tests/launcher.py``.
+DistributedDataParallel check, which needs a real one-rank gloo group from ``launch/common/spawn.py``.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from launcher import run_distributed
 from torch import Tensor, nn
 
+from launch.common.spawn import run_distributed
 from syncbn_dist import (
     DataParallelWithCallback,
     SyncBatchNorm,

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from launcher import run_distributed
 from torch import nn
 
 import syncbn_dist
 from launch.common.counting import OpCounter
+from launch.common.spawn import run_distributed
 from syncbn_dist import LayerMismatchError
 
 

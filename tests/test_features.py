@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from closeness import assert_close
-from launcher import run_distributed
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 import syncbn_dist
+from launch.common.spawn import run_distributed
 from syncbn_dist import DataParallelWithCallback, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
 from syncbn_dist.comm import DistributedTransport
 from syncbn_dist.functions import combine_moments, local_moments

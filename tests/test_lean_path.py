@@ -14,11 +14,11 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
-from launcher import run_distributed
 from torch import Tensor, nn
 
 import syncbn_dist
 from launch.common.counting import OpCounter
+from launch.common.spawn import run_distributed
 from syncbn_dist import DataParallelWithCallback, SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, set_sbn_eps_mode
 
 OP_BUDGET = 30

@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from launcher import run_distributed
 from torch import Tensor, nn
 
 import syncbn_dist
+from launch.common.spawn import run_distributed
 from syncbn_dist import (
     DataParallelWithCallback,
     SyncBatchNorm,

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from closeness import assert_close
-from launcher import run_distributed
 from torch import Tensor, nn
 
 import syncbn_dist
 from launch.common.counting import OpCounter
+from launch.common.spawn import run_distributed
 from syncbn_dist import SynchronizedBatchNorm2d, convert_model, new_sync_groups, sync_running_stats
 
 C = 3

@@ -3,7 +3,7 @@
 Config validation runs in-process. The job itself runs for one epoch as a real subprocess: under
 ``torch.distributed.run`` with 2 gloo processes (DDP + synchronized BatchNorm), and in one process through
 DataParallelWithCallback with 2 CPU thread replicas. The cross-rank state check runs on a real gloo group
-through ``tests/launcher.py``.
+through ``launch/common/spawn.py``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import pytest
 import torch
 import yaml
 from config_headers import header_commands
-from launcher import run_distributed
 from torch.distributed.run import get_args_parser
 
 from launch.common.config import ConfigError, parse_config
+from launch.common.spawn import run_distributed
 from launch.common.torchrun import env_outside_torchrun
 from launch.digits import train
 from launch.digits.config import DigitsConfig, ModelConfig, TrainConfig, load_digits_config

@@ -2,7 +2,7 @@
 
 In-process: checkpoint contents (``torch.load(weights_only=True)``), refusal of incompatible or unsafe
 checkpoints, atomic writes, and a signal at an exact step followed by a resume (one process, and two gloo
-ranks through ``tests/launcher.py`` with the signal sent to one rank only). As real subprocesses (marked
+ranks through ``launch/common/spawn.py`` with the signal sent to one rank only). As real subprocesses (marked
 ``slow``): SIGTERM to a 2-process torchrun mid-training then ``resume=true``, SIGKILL of one worker, and two
 torchrun "nodes" on loopback against a single-node run.
 
@@ -25,9 +25,9 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from launcher import run_distributed
 
 from launch.common.config import parse_config
+from launch.common.spawn import run_distributed
 from launch.common.torchrun import env_outside_torchrun
 from launch.digits import train
 from launch.digits.checkpoint import CHECKPOINT_FORMAT, CheckpointError, find_resume_checkpoint

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import torch
 
+from launch.bench.backend import pick_backend
 from launch.bench.config import (
     README_SECTION,
     BenchConfig,
@@ -42,12 +43,12 @@ from launch.bench.config import (
 from launch.bench.micro import micro_worker
 from launch.bench.models import COMPILED_SUFFIX
 from launch.bench.report import markdown, plot, readme_tables
-from launch.bench.spawn import launch, pick_backend
 from launch.bench.step import step_worker
 from launch.bench.summary import summarize
 from launch.common.config import ConfigError, argument_parser, config_error_exit, to_yaml
 from launch.common.io import write_text
 from launch.common.readme import fill_section
+from launch.common.spawn import run_distributed
 
 
 def _machine() -> dict[str, Any]:
@@ -98,27 +99,29 @@ def run(cfg: BenchConfig, scenarios: list[ScenarioConfig], command: str) -> dict
             ]
             print(f"[bench] {scenario.name}: world size {world_size} ({backend}) ...", flush=True)
             launched = time.perf_counter()
-            result = launch(
+            result = run_distributed(
                 step_worker,
                 world_size,
                 {**dataclasses.asdict(scenario), "variants": variants},
+                timeout=None,  # rounds are bounded by round_budget_s; a stuck collective by timeout_s
+                collective_timeout=scenario.timeout_s,
                 backend=backend,
                 threads=scenario.threads,
-                timeout_s=scenario.timeout_s,
-            )
+            )[0]
             runs.append({**result, "wall_seconds": round(time.perf_counter() - launched, 1)})
         raw_scenarios.append({"config": dataclasses.asdict(scenario), "runs": runs, "skipped_world_sizes": skipped})
     micro = None
     if cfg.micro.enabled:
         print("[bench] microbenchmark ...", flush=True)
-        micro = launch(
+        micro = run_distributed(
             micro_worker,
             1,
             dataclasses.asdict(cfg.micro),
+            timeout=None,
+            collective_timeout=cfg.micro.timeout_s,
             backend=micro_backend,
             threads=cfg.micro.threads,
-            timeout_s=cfg.micro.timeout_s,
-        )
+        )[0]
     if hasattr(os, "getloadavg"):
         machine["loadavg_end"] = list(os.getloadavg())
     machine["bench_seconds"] = round(time.perf_counter() - started, 1)

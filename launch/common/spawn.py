@@ -1,31 +1,32 @@
-"""The one launcher for multi-process tests: real gloo process groups on loopback, no mocks.
+"""The one multi-process launcher of the tests and the benchmark: real process groups, no mocks, no torchrun.
 
-Usage from a test module::
+Usage::
 
     def _worker(rank: int, world_size: int, shape) -> dict:   # module level, so spawn can pickle it
-        ...asserts...
+        ...
         return {"rank": rank}
 
-    def test_something():
-        results = run_distributed(_worker, 2, (4, 3))
+    results = run_distributed(_worker, 2, (4, 3))             # every rank's return value, by rank
 
-Each worker runs in a fresh spawned process with the default process group initialized (gloo, file://
-rendezvous in a private temp dir, so no port races), one intra-op thread, and a collective timeout.
-A worker exception fails the test with the worker's traceback; a hang is killed after ``timeout``.
+Each worker runs in a fresh spawned process with the default process group initialized (gloo, or nccl with one
+GPU per rank; file:// rendezvous in a private temp dir, so no port races), ``threads`` intra-op threads, and a
+collective timeout. A worker exception raises in the caller with the worker's traceback; a hang is killed after
+``timeout``. The benchmark spawns its workers this way instead of running under torchrun because one command
+measures several world sizes.
 
-Jobs that a test starts as subprocesses (torchrun, ``python -m launch...``) get
-:func:`launch.common.torchrun.env_outside_torchrun`.
+Jobs started as subprocesses under torchrun get :func:`launch.common.torchrun.env_outside_torchrun`.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,11 +41,15 @@ def _entry(
     args: tuple[Any, ...],
     results: Any,
     collective_timeout: float,
+    backend: str,
+    threads: int,
 ) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
@@ -53,6 +58,7 @@ def _entry(
         try:
             value = worker(rank, world_size, *args)
         finally:
+            torch._dynamo.reset()  # compiled code's caches hold the process group: release them first (docs/compile.md)
             dist.destroy_process_group()
         # Plain pickle bytes, not torch's shared-memory tensor sharing: a worker's tensors would otherwise be
         # received through file descriptors of a process that may already have exited.
@@ -65,10 +71,20 @@ def run_distributed(
     worker: Callable[..., Any],
     world_size: int,
     *args: Any,
-    timeout: float = 120.0,
+    timeout: Optional[float] = 120.0,
     collective_timeout: float = 60.0,
+    backend: str = "gloo",
+    threads: int = 1,
 ) -> list[Any]:
     """Run ``worker(rank, world_size, *args)`` in ``world_size`` processes; return their results by rank.
+
+    Args:
+        worker: a module-level function (spawn pickles it by name); its return value must pickle.
+        world_size: the number of processes, one rank each.
+        timeout: seconds for the whole run before the workers are killed (None: no limit).
+        collective_timeout: seconds a collective may wait before it raises (the process group's timeout).
+        backend: "gloo", or "nccl" with GPU ``rank`` for each rank.
+        threads: intra-op threads per process.
 
     Raises:
         AssertionError: with every failing rank's traceback if any worker raised or exited abnormally.
@@ -81,14 +97,14 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(worker, rank, world_size, init_file, args, results, collective_timeout),
+                args=(worker, rank, world_size, init_file, args, results, collective_timeout, backend, threads),
                 daemon=True,
             )
             for rank in range(world_size)
         ]
         for proc in procs:
             proc.start()
-        deadline = time.monotonic() + timeout
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         reports: dict[int, tuple[bool, Any]] = {}
         while len(reports) < world_size and time.monotonic() < deadline:
             while not results.empty():
