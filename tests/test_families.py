@@ -302,3 +302,12 @@ def test_matching_is_by_import_path() -> None:
     look_alike = norm_act_class("mypackage.layers")
     with pytest.raises(TypeError, match=r"'0' \(mypackage\.layers\.BatchNormAct2d\)"):
         syncbn_dist.convert_model(nn.Sequential(look_alike(3)))
+
+
+def test_patch_sync_batchnorm_does_not_reach_subclasses_defined_before() -> None:
+    # What patch_sync_batchnorm's docstring warns about: timm's BatchNormAct2d keeps its nn.BatchNorm2d base.
+    with syncbn_dist.patch_sync_batchnorm():
+        layer = BatchNormAct2d(3)
+        assert isinstance(nn.BatchNorm2d(3), SyncBatchNorm)
+    assert not isinstance(layer, SyncBatchNorm)
+    assert type(syncbn_dist.convert_model(nn.Sequential(layer))[0]) is SynchronizedBatchNormAct2d
