@@ -20,12 +20,14 @@ __all__ = ["convert_model", "revert_model"]
 # revert_model rebuilds that class with the same attributes and drops only what synchronization added.
 _SOURCE = "_syncbn_source"
 
-_HOW_OUT = (
-    "Either register a synchronized equivalent that computes the same forward, "
+_HOW_OUT = {
+    "convert_model": "Either register a synchronized equivalent that computes the same forward, "
     "syncbn_dist.register_conversion(TheClass, to_sync=TheSyncClass) with TheSyncClass a subclass of "
     "syncbn_dist.SyncBatchNorm (see docs/api.md#converting-models), or pass strict=False to leave these layers "
-    "unsynchronized (their statistics stay per process), with a warning that lists them."
-)
+    "unsynchronized (their statistics stay per process), with a warning that lists them.",
+    "revert_model": "Revert only layers that convert_model built, or pass strict=False to keep these layers as they "
+    "are, with a warning that lists them.",
+}
 
 
 def _rebuild(old: nn.Module, new_cls: type[nn.Module], **kwargs: Any) -> nn.Module:
@@ -123,7 +125,7 @@ def _swap(
             raise TypeError(
                 f"{verb} cannot swap {len(unknown)} BatchNorm layer(s) without changing what they compute, so it "
                 f"swapped none:\n"
-                f"{listing}\n{_HOW_OUT}"
+                f"{listing}\n{_HOW_OUT[verb]}"
             )
         warnings.warn(f"{verb}(strict=False) leaves {len(unknown)} layer(s) as they are:\n{listing}", stacklevel=3)
 

@@ -357,6 +357,8 @@ def test_revert_refuses_synchronized_subclasses_it_cannot_undo() -> None:
     model = nn.Sequential(SynchronizedBatchNorm2d(3), Halved(3))
     with pytest.raises(TypeError, match=r"'1' \(.*Halved\): .*Halved defines its own forward and the layer has no"):
         revert_model(model)
+    with pytest.raises(TypeError, match="Revert only layers that convert_model built, or pass strict=False"):
+        revert_model(model)
     assert type(model[0]) is SynchronizedBatchNorm2d  # nothing reverted
     with pytest.warns(UserWarning, match="Halved"):
         revert_model(model, strict=False)
