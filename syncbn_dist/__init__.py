@@ -10,6 +10,7 @@ from .batchnorm import (
 )
 from .comm import LayerMismatchError, ReplicaSyncError, is_debug_enabled, new_sync_groups, set_debug
 from .convert import convert_model, revert_model
+from .registry import register_conversion
 from .replicate import DataParallelWithCallback, execute_replication_callbacks, patch_replication_callback
 from .running_stats import sync_running_stats
 
@@ -27,6 +28,7 @@ __all__ = [
     "new_sync_groups",
     "patch_replication_callback",
     "patch_sync_batchnorm",
+    "register_conversion",
     "revert_model",
     "set_debug",
     "set_sbn_eps_mode",

@@ -424,6 +424,12 @@ def patch_sync_batchnorm() -> Iterator[None]:
     (``num_features, eps, momentum, affine, track_running_stats`` positionally, ``device`` and ``dtype`` by
     keyword). :func:`~syncbn_dist.convert_model` after construction does the same without a patch.
 
+    Subclasses defined before the block are not reached: a class statement binds its base when it runs, so a
+    ``class BatchNormAct2d(nn.BatchNorm2d)`` imported earlier still builds an unsynchronized ``nn.BatchNorm2d``
+    inside the block. The common case is timm's norm+act layers (``timm.layers.BatchNormAct2d``, in EfficientNet,
+    MobileNetV3, DenseNet, RegNet, ...): call :func:`~syncbn_dist.convert_model` on the built model instead, which
+    converts them keeping their activation (and refuses subclasses it does not know).
+
     Yields:
         None.
     """

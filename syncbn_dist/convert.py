@@ -2,28 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import warnings
+from typing import Any, Callable, Optional
 
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
 
-from .batchnorm import SyncBatchNorm, SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
+from . import families  # noqa: F401 - registers the model zoos' classes
+from .batchnorm import SyncBatchNorm
+from .registry import PLAIN_OF, class_path, find_conversion
 from .replicate import DataParallelWithCallback
 
 __all__ = ["convert_model", "revert_model"]
 
-# Most specific first: nn.SyncBatchNorm and the Synchronized* classes are checked before their bases.
-_TO_SYNC: tuple[tuple[type[nn.Module], type[SyncBatchNorm]], ...] = (
-    (nn.SyncBatchNorm, SyncBatchNorm),
-    (nn.BatchNorm1d, SynchronizedBatchNorm1d),
-    (nn.BatchNorm2d, SynchronizedBatchNorm2d),
-    (nn.BatchNorm3d, SynchronizedBatchNorm3d),
-)
-_TO_PLAIN: tuple[tuple[type[SyncBatchNorm], type[nn.Module]], ...] = (
-    (SynchronizedBatchNorm1d, nn.BatchNorm1d),
-    (SynchronizedBatchNorm2d, nn.BatchNorm2d),
-    (SynchronizedBatchNorm3d, nn.BatchNorm3d),
-    (SyncBatchNorm, nn.SyncBatchNorm),
-)
+# Set on every layer convert_model builds: (original class, the names of the original's instance attributes), so that
+# revert_model rebuilds that class with the same attributes and drops only what synchronization added.
+_SOURCE = "_syncbn_source"
+
+_HOW_OUT = {
+    "convert_model": "Either register a synchronized equivalent that computes the same forward, "
+    "syncbn_dist.register_conversion(TheClass, to_sync=TheSyncClass) with TheSyncClass a subclass of "
+    "syncbn_dist.SyncBatchNorm (see docs/api.md#converting-models), or pass strict=False to leave these layers "
+    "unsynchronized (their statistics stay per process), with a warning that lists them.",
+    "revert_model": "Revert only layers that convert_model built, or pass strict=False to keep these layers as they "
+    "are, with a warning that lists them.",
+}
 
 
 def _rebuild(old: nn.Module, new_cls: type[nn.Module], **kwargs: Any) -> nn.Module:
@@ -40,56 +44,138 @@ def _rebuild(old: nn.Module, new_cls: type[nn.Module], **kwargs: Any) -> nn.Modu
     return new
 
 
-def _convert_layer(module: nn.Module, name: str, process_group: Optional[Any]) -> Optional[nn.Module]:
+def _unknown_reason(module: nn.Module, owner: Optional[type]) -> str:
+    if owner is not None:
+        return f"{class_path(owner)} defines its own forward"
+    return f"owns child modules {sorted(module._modules)} that nn.BatchNorm's forward does not use"
+
+
+def _classify(module: nn.Module) -> tuple[str, Any]:
+    """What convert_model does with ``module``: "sync" (with the registry entry), "synced", "unknown" or "other"."""
     if isinstance(module, SyncBatchNorm):
-        if process_group is not None:
-            module.process_group = process_group
-        module._qualified_name = name
-        return None
-    for source, target in _TO_SYNC:
-        if isinstance(module, source):
-            group = process_group if process_group is not None else getattr(module, "process_group", None)
-            layer = _rebuild(module, target, process_group=group)
-            layer._qualified_name = name  # names the layer in mismatch errors (see syncbn_dist.set_debug)
-            return layer
-    return None
+        return "synced", None
+    if not isinstance(module, _BatchNorm) or isinstance(module, LazyModuleMixin):
+        return "other", None  # LazyBatchNorm becomes nn.BatchNorm*d at its first forward: convert after that
+    entry, owner = find_conversion(type(module))
+    if entry is None or (module._modules and not entry.moves_children):
+        return "unknown", _unknown_reason(module, owner)
+    return "sync", entry
 
 
-def _revert_layer(module: nn.Module, name: str) -> Optional[nn.Module]:
-    for source, target in _TO_PLAIN:
-        if isinstance(module, source):
-            kwargs = {"process_group": module.process_group} if target is nn.SyncBatchNorm else {}
-            return _rebuild(module, target, **kwargs)
-    return None
+def _synchronized(old: nn.Module, entry: Any, process_group: Optional[Any]) -> SyncBatchNorm:
+    group = process_group if process_group is not None else getattr(old, "process_group", None)
+    new = _rebuild(old, entry.to_sync, process_group=group)
+    for key, value in old.__dict__.items():
+        new.__dict__.setdefault(key, value)  # attributes of the original class (detectron2's _stats_mode, ...)
+    if entry.moves_children:
+        new._modules = dict(old._modules)  # timm's act and drop: the same modules, so the same state_dict keys
+    new.__dict__[_SOURCE] = (type(old), frozenset(old.__dict__))
+    return new
 
 
-def _swap_layers(module: nn.Module, swap: Any, name: str = "") -> nn.Module:
-    replacement = swap(module, name)
-    if replacement is not None:
-        return replacement
-    for child_name, child in module.named_children():
-        new_child = _swap_layers(child, swap, f"{name}.{child_name}" if name else child_name)
-        if new_child is not child:
-            module._modules[child_name] = new_child
-    return module
+def _restored(layer: SyncBatchNorm) -> nn.Module:
+    """The layer as an instance of its original class again: same tensors, children and attributes, no __init__."""
+    cls, keys = layer.__dict__[_SOURCE]
+    plain = cls.__new__(cls)
+    plain.__dict__.update({key: value for key, value in layer.__dict__.items() if key in keys})
+    plain._parameters = dict(layer._parameters)
+    plain._buffers = dict(layer._buffers)
+    plain._modules = dict(layer._modules)
+    plain._non_persistent_buffers_set = set(layer._non_persistent_buffers_set)
+    return plain
 
 
-def convert_model(module: nn.Module, process_group: Optional[Any] = None) -> nn.Module:
-    """Replace every BatchNorm layer of ``module`` with its synchronized counterpart, in place.
+def _classify_synced(module: nn.Module) -> tuple[str, Any]:
+    """What revert_model does with ``module``: "restore", "plain" (with the class), "unknown" or "other"."""
+    if not isinstance(module, SyncBatchNorm):
+        return "other", None
+    if _SOURCE in module.__dict__:
+        return "restore", None
+    for base in type(module).__mro__:
+        plain = dict(PLAIN_OF).get(base)
+        if plain is not None:
+            if module._modules:
+                return "unknown", _unknown_reason(module, None)
+            return "plain", plain
+        if "forward" in vars(base):
+            return "unknown", f"{class_path(base)} defines its own forward and the layer has no record of the " \
+                "class it was converted from"
+    raise AssertionError("unreachable: every SyncBatchNorm has SyncBatchNorm in its MRO")
 
-    ``nn.BatchNorm1d/2d/3d`` (and subclasses) become :class:`SynchronizedBatchNorm1d/2d/3d`;
-    ``nn.SyncBatchNorm`` becomes :class:`SyncBatchNorm` (any input rank), keeping its process group unless
-    one is given. Layers at any depth are found (Sequential, ModuleList, ModuleDict, attributes). The new
-    layers own the same parameter and buffer tensors (values, requires_grad, device, dtype, and the
-    optimizer's references survive) and the same eps, momentum (None included), affine,
-    track_running_stats, training flag and qconfig. InstanceNorm, LazyBatchNorm and other relatives are
-    left alone. Mirrors ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``.
+
+def _swap(
+    module: nn.Module, classify: Callable[[nn.Module], tuple[str, Any]], build: Callable[..., Optional[nn.Module]],
+    strict: bool, verb: str,
+) -> nn.Module:
+    """Classify every layer first (so a refusal leaves the model untouched), then swap; returns the new root."""
+    unknown: list[str] = []
+
+    def visit(node: nn.Module, name: str) -> None:
+        kind, detail = classify(node)
+        if kind == "unknown":
+            unknown.append(f"  '{name or '<root>'}' ({class_path(type(node))}): {detail}")
+        elif kind == "other":
+            for child_name, child in node.named_children():
+                visit(child, f"{name}.{child_name}" if name else child_name)
+
+    visit(module, "")
+    if unknown:
+        listing = "\n".join(unknown)
+        if strict:
+            raise TypeError(
+                f"{verb} cannot swap {len(unknown)} BatchNorm layer(s) without changing what they compute, so it "
+                f"swapped none:\n"
+                f"{listing}\n{_HOW_OUT[verb]}"
+            )
+        warnings.warn(f"{verb}(strict=False) leaves {len(unknown)} layer(s) as they are:\n{listing}", stacklevel=3)
+
+    def swap(node: nn.Module, name: str) -> nn.Module:
+        kind, detail = classify(node)
+        if kind == "other":
+            for child_name, child in node.named_children():
+                new_child = swap(child, f"{name}.{child_name}" if name else child_name)
+                if new_child is not child:
+                    node._modules[child_name] = new_child
+            return node
+        if kind == "unknown":
+            return node
+        return build(node, name, kind, detail)
+
+    return swap(module, "")
+
+
+def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, strict: bool = True) -> nn.Module:
+    """Replace every BatchNorm layer of ``module`` with a synchronized layer that computes the same function, in place.
+
+    The contract: conversion never changes what a layer computes (in one process the converted model's outputs,
+    gradients and running statistics are the original's, bit for bit). Each ``_BatchNorm`` layer at any depth
+    (Sequential, ModuleList, ModuleDict, attributes) is
+
+    - **plain**: ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm``, or a subclass that neither defines ``forward``
+      nor owns child modules: becomes :class:`SynchronizedBatchNorm1d/2d/3d`, or for ``nn.SyncBatchNorm``
+      :class:`SyncBatchNorm` (any rank), keeping its process group unless one is given;
+    - **a known family**, matched by import path without importing the package: timm's ``BatchNormAct2d`` and
+      ``SyncBatchNormAct`` (their ``act`` and ``drop`` children move along), mmengine/mmcv ``_BatchNormXd``,
+      detectron2 ``NaiveSyncBatchNorm`` (see :mod:`syncbn_dist.families`), or a class registered with
+      :func:`~syncbn_dist.register_conversion`; a subclass of one that does not define ``forward`` too;
+    - **already synchronized** (a :class:`SyncBatchNorm`): kept, so converting twice is a no-op;
+    - **unknown**, any other subclass with its own ``forward`` or children: ``TypeError`` (nothing is converted),
+      or with ``strict=False`` left as it is, with a ``UserWarning`` that lists it.
+
+    The new layers own the same parameter and buffer tensors (values, requires_grad, device, dtype, and the
+    optimizer's references survive), the same eps, momentum (None included), affine, track_running_stats, training
+    flag, qconfig and other instance attributes, and a family's child modules, so ``state_dict()`` keys are
+    unchanged. InstanceNorm, LazyBatchNorm (until its first forward) and other relatives are left alone. Mirrors
+    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``, which instead turns every subclass into a plain
+    ``nn.SyncBatchNorm`` and so drops a norm+act layer's activation.
 
     Args:
         module: a model, a single BatchNorm layer, or an ``nn.DataParallel``.
         process_group: the group the layers synchronize over; None means the world group (or, for
             ``nn.SyncBatchNorm``, the group it already had). Layers that are already synchronized get
             this group if it is not None.
+        strict: if True (the default), an unknown BatchNorm subclass raises ``TypeError``; if False, such layers
+            (and their children) are left unsynchronized and a warning names them.
 
     Returns:
         ``module`` itself with layers swapped; a new layer if ``module`` is a single BatchNorm layer; and
@@ -97,7 +183,9 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None) -> nn.
         the same device_ids, output_device and dim.
 
     Raises:
-        TypeError: if ``module`` is already wrapped in DistributedDataParallel (convert before wrapping).
+        TypeError: if ``module`` is already wrapped in DistributedDataParallel (convert before wrapping); with
+            ``strict=True``, if any layer is an unknown BatchNorm subclass: the message names every such layer's
+            path and class and the two ways out (:func:`~syncbn_dist.register_conversion`, ``strict=False``).
     """
     if isinstance(module, nn.parallel.DistributedDataParallel):
         raise TypeError(
@@ -105,7 +193,7 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None) -> nn.
             "DistributedDataParallel so that DDP sees the final parameters"
         )
     if isinstance(module, nn.DataParallel):
-        inner = convert_model(module.module, process_group)
+        inner = convert_model(module.module, process_group, strict=strict)
         return DataParallelWithCallback(
             inner,
             device_ids=module.device_ids or None,
@@ -113,41 +201,74 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None) -> nn.
             dim=getattr(module, "dim", 0),
             cpu_replicas=getattr(module, "cpu_replicas", None),
         )
-    return _swap_layers(module, lambda m, name: _convert_layer(m, name, process_group))
+
+    def build(layer: nn.Module, name: str, kind: str, entry: Any) -> nn.Module:
+        if kind == "synced":
+            if process_group is not None:
+                layer.process_group = process_group
+        else:
+            layer = _synchronized(layer, entry, process_group)
+        layer._qualified_name = name  # names the layer in mismatch errors (see syncbn_dist.set_debug)
+        return layer
+
+    return _swap(module, _classify, build, strict, "convert_model")
 
 
-def revert_model(module: nn.Module) -> nn.Module:
+def revert_model(module: nn.Module, *, strict: bool = True) -> nn.Module:
     """Replace every synchronized layer of ``module`` with a plain one, in place: the inverse of convert.
 
-    :class:`SynchronizedBatchNorm1d/2d/3d` become ``nn.BatchNorm1d/2d/3d``; the rank-agnostic
-    :class:`SyncBatchNorm` becomes ``nn.SyncBatchNorm`` (which, like any BatchNorm, never communicates in
-    eval mode). The same tensors and settings are kept, so ``state_dict()`` is identical before and after
-    a convert/revert round trip. Use it for single-device inference or export.
+    A layer built by :func:`convert_model` becomes an instance of its original class again (``nn.BatchNorm2d``,
+    timm's ``BatchNormAct2d``, a registered class, ...), with the same tensors, child modules and instance
+    attributes, without calling that class's ``__init__``, so ``state_dict()`` is identical before and after a
+    convert/revert round trip. A layer built synchronized (e.g. under :func:`patch_sync_batchnorm`) becomes its
+    torch counterpart: :class:`SynchronizedBatchNorm1d/2d/3d` become ``nn.BatchNorm1d/2d/3d``, the rank-agnostic
+    :class:`SyncBatchNorm` becomes ``nn.SyncBatchNorm`` (which, like any BatchNorm, never communicates in eval mode).
+    Use it for single-device inference or export.
 
     Args:
         module: a model, a single synchronized layer, or a DataParallel wrapper (its module is reverted and
             the wrapper returned).
+        strict: if True (the default), a synchronized subclass with its own ``forward`` or children and no record
+            of an original class raises ``TypeError``; if False it is kept, with a warning naming it.
 
     Returns:
         ``module`` itself with layers swapped, or a new layer if ``module`` is a single synchronized layer.
+
+    Raises:
+        TypeError: with ``strict=True``, for a synchronized layer that has no plain counterpart (see above); the
+            message names every such layer, and nothing is reverted.
     """
     if isinstance(module, nn.DataParallel):
-        module.module = revert_model(module.module)
+        module.module = revert_model(module.module, strict=strict)
         return module
-    return _swap_layers(module, _revert_layer)
+
+    def build(layer: nn.Module, name: str, kind: str, plain: Optional[type[nn.Module]]) -> nn.Module:
+        if kind == "restore":
+            return _restored(layer)
+        assert plain is not None
+        kwargs = {"process_group": layer.process_group} if plain is nn.SyncBatchNorm else {}
+        return _rebuild(layer, plain, **kwargs)
+
+    return _swap(module, _classify_synced, build, strict, "revert_model")
 
 
-def _convert_sync_batchnorm(cls: type, module: nn.Module, process_group: Optional[Any] = None) -> nn.Module:
+def _convert_sync_batchnorm(
+    cls: type, module: nn.Module, process_group: Optional[Any] = None, *, strict: bool = True
+) -> nn.Module:
     """Alias of :func:`syncbn_dist.convert_model`, spelled like ``torch.nn.SyncBatchNorm``'s classmethod.
 
     Args:
         module: a model, a single BatchNorm layer, or an ``nn.DataParallel``.
         process_group: the group the converted layers synchronize over; None means the world group.
+        strict: see :func:`syncbn_dist.convert_model`.
 
     Returns:
         What :func:`syncbn_dist.convert_model` returns.
+
+    Raises:
+        TypeError: as :func:`syncbn_dist.convert_model`.
     """
-    return convert_model(module, process_group)
+    return convert_model(module, process_group, strict=strict)
 
 
 # Attached here rather than defined in batchnorm.py, which would then import this module (an import cycle).

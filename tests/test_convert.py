@@ -277,3 +277,90 @@ def test_optimizer_built_before_convert_updates_converted_layers() -> None:
     # The converted model's step is the plain model's step: same kernels in local mode.
     for (key, value), ref_value in zip(model.state_dict().items(), reference.state_dict().values()):
         torch.testing.assert_close(value, ref_value, rtol=0, atol=0, msg=key)
+
+
+class _Doubled(nn.BatchNorm2d):
+    """An unknown subclass: its own forward."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) * 2
+
+
+class _WithAux(nn.BatchNorm2d):
+    """An unknown subclass: no forward of its own, but a child module (timm's SplitBatchNorm2d has both)."""
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__(num_features)
+        self.aux_bn = nn.ModuleList([nn.BatchNorm2d(num_features)])
+
+
+class _Renamed(nn.BatchNorm2d):
+    """A plain subclass: neither a forward nor children of its own."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        super()._check_input_dim(input)
+
+
+def _mixed() -> nn.Module:
+    return nn.Sequential(
+        nn.BatchNorm2d(3), nn.Sequential(_Doubled(3), nn.ModuleDict({"split": _WithAux(3)})), _Renamed(3)
+    )
+
+
+def test_unknown_subclasses_are_refused_naming_each_and_the_ways_out() -> None:
+    model = _mixed()
+    layers = list(model.modules())
+    with pytest.raises(TypeError) as info:
+        convert_model(model)
+    message = str(info.value)
+    assert "cannot swap 2 BatchNorm layer(s)" in message and "swapped none" in message
+    assert f"'1.0' ({__name__}._Doubled): {__name__}._Doubled defines its own forward" in message
+    assert f"'1.1.split' ({__name__}._WithAux): owns child modules ['aux_bn']" in message
+    assert "syncbn_dist.register_conversion(" in message and "strict=False" in message
+    assert all(a is b for a, b in zip(model.modules(), layers))  # nothing converted, not even model[0]
+    assert type(model[0]) is nn.BatchNorm2d
+    with pytest.raises(TypeError, match="_Doubled defines its own forward"):
+        convert_model(_Doubled(3))  # a single layer too
+    with pytest.raises(TypeError, match="_Doubled"):
+        SyncBatchNorm.convert_sync_batchnorm(_mixed())
+
+
+def test_strict_false_leaves_unknown_subclasses_with_a_warning() -> None:
+    model = _mixed()
+    doubled, split = model[1][0], model[1][1]["split"]
+    with pytest.warns(UserWarning, match=r"leaves 2 layer\(s\) as they are") as record:
+        assert convert_model(model, strict=False) is model
+    assert "'1.0'" in str(record[0].message) and "'1.1.split'" in str(record[0].message)
+    assert model[1][0] is doubled and model[1][1]["split"] is split
+    assert type(split.aux_bn[0]) is nn.BatchNorm2d  # an unknown layer's children are left with it
+    assert type(model[0]) is SynchronizedBatchNorm2d and type(model[2]) is SynchronizedBatchNorm2d
+    x = torch.randn(4, 3, 2, 2)
+    torch.testing.assert_close(model[1][0](x), _Doubled(3)(x), rtol=0, atol=0)  # its function untouched
+
+
+def test_plain_subclass_converts_and_reverts_to_its_class() -> None:
+    model = nn.Sequential(_Renamed(3, momentum=None))
+    model[0].custom = "kept"
+    weight = model[0].weight
+    convert_model(model)
+    assert type(model[0]) is SynchronizedBatchNorm2d and model[0].weight is weight
+    revert_model(model)
+    assert type(model[0]) is _Renamed and model[0].custom == "kept" and model[0].momentum is None
+    assert model[0].weight is weight and not hasattr(model[0], "process_group")
+
+
+def test_revert_refuses_synchronized_subclasses_it_cannot_undo() -> None:
+    class Halved(SynchronizedBatchNorm2d):  # built synchronized: no record of an original class to return to
+        def forward(self, x: Tensor) -> Tensor:
+            return super().forward(x) / 2
+
+    model = nn.Sequential(SynchronizedBatchNorm2d(3), Halved(3))
+    with pytest.raises(TypeError, match=r"'1' \(.*Halved\): .*Halved defines its own forward and the layer has no"):
+        revert_model(model)
+    with pytest.raises(TypeError, match="Revert only layers that convert_model built, or pass strict=False"):
+        revert_model(model)
+    assert type(model[0]) is SynchronizedBatchNorm2d  # nothing reverted
+    with pytest.warns(UserWarning, match="Halved"):
+        revert_model(model, strict=False)
+    assert type(model[0]) is nn.BatchNorm2d and type(model[1]) is Halved
+    assert convert_model(model)[1] is model[1]  # already synchronized: kept as it is

@@ -1,0 +1,121 @@
+"""Which BatchNorm classes convert_model may synchronize, and into what: the registry behind the conversion contract.
+
+A ``_BatchNorm`` layer is converted only if its class, or a base class reached without passing a class of its own
+``forward``, is registered here: by the class object, or by its import path (``module.QualName``) so that model zoos
+(timm, mmengine, detectron2) are matched without importing them. Everything else is unknown and convert_model
+refuses it (see :func:`syncbn_dist.convert_model`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .batchnorm import SyncBatchNorm, SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
+
+__all__ = ["register_conversion"]
+
+
+class Conversion(NamedTuple):
+    """A registry entry: the synchronized class a layer becomes, and whether the layer may own child modules.
+
+    ``moves_children`` is False for torch's own classes, whose forward uses no child module: a subclass that owns
+    children does something BatchNorm does not, so it is unknown. Registered families keep their children (a norm+act
+    layer's ``act`` and ``drop``), which move to the synchronized layer unchanged.
+    """
+
+    to_sync: type[SyncBatchNorm]
+    moves_children: bool
+
+
+_BY_CLASS: dict[type, Conversion] = {
+    # torch's own classes, found along the MRO, so a subclass without a forward of its own converts as before.
+    nn.SyncBatchNorm: Conversion(SyncBatchNorm, moves_children=False),
+    nn.BatchNorm1d: Conversion(SynchronizedBatchNorm1d, moves_children=False),
+    nn.BatchNorm2d: Conversion(SynchronizedBatchNorm2d, moves_children=False),
+    nn.BatchNorm3d: Conversion(SynchronizedBatchNorm3d, moves_children=False),
+}
+_BY_PATH: dict[str, Conversion] = {}
+
+# The plain class each of ours reverts to when the layer carries no record of its original class (it was built
+# synchronized, e.g. under patch_sync_batchnorm). Most specific first.
+PLAIN_OF: tuple[tuple[type[SyncBatchNorm], type[_BatchNorm]], ...] = (
+    (SynchronizedBatchNorm1d, nn.BatchNorm1d),
+    (SynchronizedBatchNorm2d, nn.BatchNorm2d),
+    (SynchronizedBatchNorm3d, nn.BatchNorm3d),
+    (SyncBatchNorm, nn.SyncBatchNorm),
+)
+
+
+def class_path(cls: type) -> str:
+    """``cls.__module__ + "." + cls.__qualname__``, e.g. ``"timm.layers.norm_act.BatchNormAct2d"``."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_conversion(cls: Union[type[nn.Module], str], to_sync: type[SyncBatchNorm]) -> None:
+    """Teach :func:`~syncbn_dist.convert_model` to synchronize ``cls`` layers as ``to_sync`` layers.
+
+    For a BatchNorm subclass with its own ``forward`` or child modules, which convert_model otherwise refuses
+    (``TypeError``) because replacing it by a plain synchronized layer would change what the model computes.
+    ``to_sync`` is a subclass of :class:`~syncbn_dist.SyncBatchNorm` (or of ``SynchronizedBatchNorm1d/2d/3d``)
+    whose ``forward`` computes what ``cls.forward`` computes, with the synchronized normalization in place of the
+    local one, usually ``super().forward(x)`` followed by the extra steps. Conversion builds a ``to_sync`` layer
+    through ``SyncBatchNorm.__init__`` and then gives it the original layer's parameter and buffer tensors (the same
+    objects), its child modules, and every instance attribute ``to_sync`` does not set itself; so ``to_sync.forward``
+    can use them by the original names, and ``state_dict()`` keys are unchanged. :func:`~syncbn_dist.revert_model`
+    returns the layer to its original class with the same tensors, children and attributes, without calling the
+    original ``__init__``. Subclasses of ``cls`` that do not define their own ``forward`` are converted the same way;
+    a subclass that does is unknown again. A second registration of the same class replaces the first.
+
+    Example::
+
+        class SyncBatchNormSquare2d(syncbn_dist.SynchronizedBatchNorm2d):
+            def forward(self, x):
+                return super().forward(x).square()    # what BatchNormSquare2d.forward adds to nn.BatchNorm2d
+
+        syncbn_dist.register_conversion(BatchNormSquare2d, to_sync=SyncBatchNormSquare2d)
+        model = syncbn_dist.convert_model(model)
+
+    Args:
+        cls: a subclass of ``torch.nn.modules.batchnorm._BatchNorm`` (``nn.BatchNorm1d/2d/3d``,
+            ``nn.SyncBatchNorm``, ...), or its import path ``"package.module.QualName"``, which matches a class
+            whose ``__module__ + "." + __qualname__`` is that string without importing the package.
+        to_sync: the synchronized equivalent, a subclass of :class:`~syncbn_dist.SyncBatchNorm` whose ``__init__``
+            takes SyncBatchNorm's arguments.
+
+    Raises:
+        TypeError: ``cls`` is neither a ``_BatchNorm`` subclass nor a dotted path, ``cls`` is already synchronized
+            (a SyncBatchNorm subclass of ours), or ``to_sync`` is not a SyncBatchNorm subclass.
+    """
+    if not (isinstance(to_sync, type) and issubclass(to_sync, SyncBatchNorm)):
+        raise TypeError(f"expected to_sync to be a subclass of syncbn_dist.SyncBatchNorm (got {to_sync!r})")
+    if isinstance(cls, str):
+        if "." not in cls.strip("."):
+            raise TypeError(f"expected cls as 'package.module.QualName' (got {cls!r})")
+        _BY_PATH[cls] = Conversion(to_sync, moves_children=True)
+        return
+    if not (isinstance(cls, type) and issubclass(cls, _BatchNorm)):
+        raise TypeError(f"expected cls to be a subclass of torch.nn.modules.batchnorm._BatchNorm (got {cls!r})")
+    if issubclass(cls, SyncBatchNorm):
+        raise TypeError(f"{class_path(cls)} is already a syncbn_dist synchronized class; register its plain original")
+    _BY_CLASS[cls] = Conversion(to_sync, moves_children=True)
+
+
+def find_conversion(cls: type) -> tuple[Optional[Conversion], Optional[type]]:
+    """The registry entry for ``cls`` along its MRO, or ``(None, class)`` naming the first class with a forward.
+
+    Walks ``cls.__mro__`` from ``cls`` up: a registered class (by object, then by path) ends the walk with its
+    entry; a class that defines ``forward`` before any registered one makes ``cls`` unknown.
+
+    Returns:
+        ``(entry, None)`` when found; ``(None, owner)`` when ``owner`` is the class whose ``forward`` is unknown.
+    """
+    for base in cls.__mro__:
+        entry = _BY_CLASS.get(base) or _BY_PATH.get(class_path(base))
+        if entry is not None:
+            return entry, None
+        if "forward" in vars(base):
+            return None, base
+    return None, cls

@@ -1,0 +1,98 @@
+"""Fits a small BatchNorm model for one step under Lightning's DDP on 2 CPU processes with SyncBatchNormPlugin.
+
+Run by tests/test_lightning.py as ``python tests/lightning_ddp.py OUT_DIR``: Lightning's ``strategy="ddp"`` starts
+rank 1 by re-running this command, so the Trainer must run from a script, not inside pytest. Each rank trains on its
+own rows of the global batch (``ROWS``, uneven) and writes ``OUT_DIR/rank{r}.pt``: the state_dict after fit, the
+layer classes seen in training and after fit, and the transports used.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+try:
+    import pytorch_lightning as pl
+    from pytorch_lightning.strategies import DDPStrategy
+except ImportError:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+
+from syncbn_dist.lightning import SyncBatchNormPlugin
+
+ROWS = [3, 6]  # rows of the global batch on rank 0 and rank 1
+LR = 0.5
+
+
+def build() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(16, 5), nn.BatchNorm1d(5)
+    ).double()
+
+
+def global_batch() -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(sum(ROWS), 3, 2, 2, generator=gen, dtype=torch.float64) * 2 + 1
+    return x, torch.randn(sum(ROWS), 5, generator=gen, dtype=torch.float64)
+
+
+def loss_of(output: Tensor, target: Tensor, world_size: int) -> Tensor:
+    """Summed squared error × world_size / global batch: DDP's average over ranks is the global mean loss."""
+    return F.mse_loss(output, target, reduction="sum") * world_size / sum(ROWS)
+
+
+class Model(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = build()
+        self.seen: dict[str, object] = {}
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = loss_of(self.net(x), y, self.trainer.world_size)
+        self.seen["classes"] = [type(m).__name__ for m in self.net]
+        self.seen["transports"] = [getattr(m, "last_transport", None) for m in self.net]
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def train_dataloader(self) -> DataLoader:
+        x, y = global_batch()
+        rows = slice(sum(ROWS[: self.global_rank]), sum(ROWS[: self.global_rank + 1]))
+        return DataLoader(TensorDataset(x[rows], y[rows]), batch_size=ROWS[self.global_rank])
+
+
+def main(out_dir: str) -> None:
+    model = Model()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60)),
+        plugins=[SyncBatchNormPlugin()],
+        max_steps=1,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out_dir,
+    )
+    trainer.fit(model)
+    result = {
+        "state": {k: v.detach().clone() for k, v in model.net.state_dict().items()},
+        "seen": model.seen,
+        "after_fit": [type(m).__name__ for m in model.net],
+        "after_fit_types_are_torch": [type(m) in (nn.BatchNorm1d, nn.BatchNorm2d) for m in model.net[1::4]],
+    }
+    torch.save(result, f"{out_dir}/rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
