@@ -95,7 +95,9 @@ class BytesCounter(TorchDispatchMode):
 
     - A view or alias op (``aten.view``, ``aten.expand``, ``aten.t``, ...: ``OpOverload.is_view``) counts 0 bytes:
       it moves no data.
-    - An op that allocates without writing (``aten.empty_like`` ...) counts 0 bytes.
+    - An op that allocates without writing (``aten.empty_like`` ...) counts 0 bytes; one that fills a new tensor
+      (``aten.new_ones``, ``aten.zeros_like`` ...) counts only what it writes: its tensor argument gives the dtype
+      and device, its data is not read.
     - An in-place op counts its mutated argument twice, read and written (``t.addcmul_(a, b)``: t, a, b, and t).
     - Bytes an op's kernel moves internally are not seen: a kernel that reads its input twice (CPU
       ``native_batch_norm`` in training computes the statistics, then normalizes) counts it once, and an op that
@@ -113,7 +115,10 @@ class BytesCounter(TorchDispatchMode):
         result = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket)
         if not func.is_view and name not in _UNINITIALIZED:
-            tensors = [t for t in tree_leaves((args, kwargs, result)) if isinstance(t, Tensor)]
+            # new_ones(self, ...), zeros_like(self) ...: self gives the dtype and device, its data is not read.
+            metadata_only = name.startswith("aten.new_") or name.endswith("_like")
+            touched = result if metadata_only else (args, kwargs, result)
+            tensors = [t for t in tree_leaves(touched) if isinstance(t, Tensor)]
             self.by_op[name] += sum(spanned_bytes(t) for t in tensors)
         return result
 
