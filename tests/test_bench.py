@@ -128,7 +128,7 @@ def test_bench_runs_end_to_end_and_writes_json_markdown_png(tmp_path: Path) -> N
     out = tmp_path / "out"
 
     summary = json.loads((out / "performance.json").read_text())
-    assert [t["id"] for t in summary["targets"]] == ["P1", "P2", "P3", "P4", "P5", "P6", "P7"]
+    assert [t["id"] for t in summary["targets"]] == ["P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8"]
     assert summary["config"]["scenario_configs"][0]["width"] == WIDTH  # the resolved config is kept
     assert summary["command"] == f"python -m launch.bench.run --config {config} readme={readme}"
     assert read_section(readme, README_SECTION) == readme_tables(summary)  # the README's table is the report's
@@ -198,9 +198,16 @@ def test_bench_runs_end_to_end_and_writes_json_markdown_png(tmp_path: Path) -> N
     assert all(c["ratio"] > 0 for c in micro["cases"])
     # syncbn_dist sends its two collectives (c10d ops) and more per-channel work than F.batch_norm.
     assert all(c["ops"]["syncbn_dist"] > c["ops"]["F.batch_norm"] > 0 for c in micro["cases"])
+    # Bytes per element: F.batch_norm reads and writes each element a handful of times (float32: at least x, y in
+    # forward and dy, x, dx in backward); the CUDA model is the constant 8 accesses.
+    for c in micro["cases"]:
+        moved = c["bytes_per_element"]
+        assert moved["syncbn_dist"] >= moved["F.batch_norm"] >= 20.0, moved
+        assert moved["torch SyncBatchNorm CUDA (model)"] == 32.0, moved
 
     table = (out / "performance.md").read_text()
-    assert "| config | W | backend | (a) | (b) | (f) |" in table and "| P6 |" in table and "| P7 |" in table
+    assert "| config | W | backend | (a) | (b) | (f) |" in table and "| P6 |" in table and "| P8 |" in table
+    assert "syncbn_dist B/elem" in table
     assert table in proc.stdout  # the table is printed too
     assert (out / "performance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

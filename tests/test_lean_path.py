@@ -2,6 +2,9 @@
 
 - The op budget: one synchronized layer (world size 2 over gloo, steady state) dispatches at most 30 aten ops for
   forward + backward, collectives and views included, with exactly one all_reduce per direction.
+- The byte budget: the same forward + backward moves at most BYTES_PER_ELEMENT bytes per float32 activation
+  element at the op interface (launch.common.counting.BytesCounter), plus PER_CHANNEL_BYTES per channel for the
+  per-channel statistics, for contiguous NCHW, channels_last and (N, C) inputs.
 - ``set_sbn_eps_mode`` / ``SyncBatchNorm.eps_mode``: "clip" normalizes by ``sqrt(max(var, eps))`` (the classic
   library's "clamp"), on the local, DataParallel and distributed paths, checked against a float64 reference written
   out by hand (outputs, input and parameter gradients, running statistics), with a channel whose variance is below
@@ -17,11 +20,17 @@ import torch
 from torch import Tensor, nn
 
 import syncbn_dist
-from launch.common.counting import OpCounter
+from launch.common.counting import BytesCounter, OpCounter, count_layer
 from launch.common.spawn import run_distributed
 from syncbn_dist import DataParallelWithCallback, SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, set_sbn_eps_mode
 
 OP_BUDGET = 30
+# Measured with torch 2.13 CPU, float32 (bfloat16: 42). Forward: the float64 copy of x (read 4, write 8) and its
+# statistics (8), the normalization (read x, write y: 8); backward: the local reductions (read dy, x: 8), then
+# grad_input as an inference batch norm of x (8), its difference from dy (12) and the scaling (12). See
+# docs/design.md for the floor (32 for torch.nn.SyncBatchNorm's CUDA kernels) and why aten ops on CPU stay above it.
+BYTES_PER_ELEMENT = 68
+PER_CHANNEL_BYTES = 600  # the C-sized tensors: statistics, payloads, parameters and their gradients
 EPS = 1e-3
 
 
@@ -134,26 +143,35 @@ def test_clip_mode_dataparallel_matches_hand_written_float64(clip_mode: None, on
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _count_layer_ops(shape: tuple[int, ...], rank: int) -> OpCounter:
+def _count_layer(shape: tuple[int, ...], rank: int, channels_last: bool) -> tuple[OpCounter, BytesCounter]:
     layer = syncbn_dist.convert_model(nn.BatchNorm2d(shape[1]) if len(shape) == 4 else nn.BatchNorm1d(shape[1]))
     gen = torch.Generator().manual_seed(rank)
-    leaf = torch.randn(shape, generator=gen, requires_grad=True)
-    x = leaf * 1.0  # a non-leaf input, as inside a network (no AccumulateGrad for it)
+    leaf = torch.randn(shape, generator=gen)
     dy = torch.randn(shape, generator=gen)
-    params = [leaf, layer.weight, layer.bias]
+    if channels_last:
+        leaf, dy = leaf.contiguous(memory_format=torch.channels_last), dy.contiguous(memory_format=torch.channels_last)
+    leaf.requires_grad_()
+    params = [layer.weight, layer.bias]
     for _ in range(2):  # the first call also runs the one-time agreement check
-        torch.autograd.grad(layer(x), params, dy, retain_graph=True)
-    with OpCounter() as counter:
-        torch.autograd.grad(layer(x), [x, layer.weight, layer.bias], dy, retain_graph=True)
+        count_layer(layer, leaf, dy, params)
+    counters = count_layer(layer, leaf, dy, params)
     assert layer.last_transport == "distributed"
-    return counter
+    return counters
 
 
 def _worker_lean(rank: int, world_size: int) -> dict[str, object]:
     budgets = {}
-    for shape in [(8, 64, 14, 14), (256, 512)]:
-        counter = _count_layer_ops(shape, rank)
-        budgets[str(shape)] = (counter.total, counter.counts["c10d.allreduce_"], counter.histogram())
+    for shape, channels_last in [((8, 64, 14, 14), False), ((8, 64, 14, 14), True), ((256, 512), False)]:
+        counter, traffic = _count_layer(shape, rank, channels_last)
+        numel, channels = torch.Size(shape).numel(), shape[1]
+        budgets[f"{shape}{' channels_last' if channels_last else ''}"] = (
+            counter.total,
+            counter.counts["c10d.allreduce_"],
+            counter.histogram(),
+            traffic.total,
+            BYTES_PER_ELEMENT * numel + PER_CHANNEL_BYTES * channels,
+            traffic.per_element(numel),
+        )
     # "clip" over the process group: rank r holds rows [2r, 2r + 2 + r) of one global batch (uneven).
     set_sbn_eps_mode("clip")
     try:
@@ -182,10 +200,25 @@ def _worker_lean(rank: int, world_size: int) -> dict[str, object]:
 
 
 @pytest.mark.distributed
-def test_op_budget_and_clip_mode_over_gloo() -> None:
-    """At most OP_BUDGET ops per synchronized layer, forward + backward; one all_reduce each way (world size 2)."""
+def test_op_and_byte_budgets_and_clip_mode_over_gloo() -> None:
+    """At most OP_BUDGET ops and the byte budget per synchronized layer, forward + backward; one all_reduce each
+    way (world size 2)."""
     results = run_distributed(_worker_lean, 2, timeout=240)
     for budgets in results:
-        for shape, (total, collectives, histogram) in budgets.items():
+        for shape, (total, collectives, histogram, moved, byte_budget, by_op) in budgets.items():
             assert collectives == 2, f"{shape}: {collectives} all_reduces, expected 1 forward + 1 backward"
             assert total <= OP_BUDGET, f"{shape}: {total} ops > budget {OP_BUDGET}:\n{histogram}"
+            assert moved <= byte_budget, f"{shape}: {moved} bytes > budget {byte_budget}, per element by op: {by_op}"
+
+
+def test_bytes_counter_counts_the_storage_each_op_reads_and_writes() -> None:
+    """Dense tensors count numel * element_size whatever their layout, expanded views their real extent, views
+    nothing, and an in-place op its mutated tensor twice (read and written)."""
+    x = torch.randn(4, 3, 5, 2).contiguous(memory_format=torch.channels_last)
+    scale = torch.randn(3)
+    with BytesCounter() as traffic:
+        y = x * scale.view(1, 3, 1, 1).expand_as(x)  # reads x (480 B) and 3 floats, writes y (480 B)
+        y.add_(x)  # reads y and x, writes y
+        y.permute(0, 2, 3, 1).view(-1)  # views move nothing
+    assert dict(traffic.by_op) == {"aten.mul": 480 + 12 + 480, "aten.add_": 3 * 480}
+    assert traffic.total == 2412 and traffic.per_element(x.numel()) == {"aten.add_": 12.0, "aten.mul": 8.1}

@@ -5,7 +5,10 @@ It runs in a one-member process group. ``syncbn_dist`` is forced through its syn
 for one member), so the figure is the local compute of the sync path plus a one-member all_reduce. On CUDA
 it also times torch's own ``SyncBatchNorm`` autograd function at world size 1 (the one ``nn.SyncBatchNorm``
 runs in training). Every variant is timed in the same repetition loop (A B C A B C ...); the result is the
-median per variant, with the aten ops one forward+backward dispatches (:class:`launch.common.counting.OpCounter`).
+median per variant, with the aten ops and the bytes per activation element one forward+backward dispatches and
+moves at the op interface (:func:`launch.common.counting.count_layer`: non-leaf input, ``autograd.grad`` for input,
+weight and bias), beside the modelled bytes of torch.nn.SyncBatchNorm's CUDA kernel sequence
+(:data:`TORCH_SYNCBN_CUDA_ACCESSES_PER_ELEMENT`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
-from launch.common.counting import OpCounter
+from launch.common.counting import count_layer
 from syncbn_dist.comm import DistributedTransport
 from syncbn_dist.functions import sync_batch_norm
 
@@ -27,6 +30,13 @@ _MOMENTUM = 0.1
 _EPS = 1e-5
 # References that may be missing or fail on some device/dtype; F.batch_norm and syncbn_dist must run.
 _OPTIONAL = ("torch SyncBatchNorm fn",)
+# torch.nn.SyncBatchNorm's CUDA kernels touch each activation element 8 times at their interface: forward
+# batch_norm_stats reads x (1) and batch_norm_elemt reads x and writes y (2); backward batch_norm_backward_reduce
+# reads dy and x (2) and batch_norm_backward_elemt reads dy and x and writes dx (3). Per-channel tensors and the
+# collectives are O(C). 8 x 4 = 32 bytes per float32 element (16 for bfloat16): the floor of any exact design with
+# one collective per direction (statistics before normalizing, reductions before dx).
+TORCH_SYNCBN_CUDA_ACCESSES_PER_ELEMENT = 8
+TORCH_SYNCBN_MODEL = "torch SyncBatchNorm CUDA (model)"
 
 
 class _Case:
@@ -122,11 +132,12 @@ def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str,
                     for name, fn in fns.items():
                         times[name].append(case.timed(fn))
                 medians = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-                ops = {}
+                ops, bytes_per_element = {}, {}
                 for name, fn in fns.items():
-                    with OpCounter() as counter:
-                        case.run(fn)
-                    ops[name] = counter.total
+                    op_counter, byte_counter = count_layer(fn, case.x, case.dy, [case.weight, case.bias])
+                    ops[name] = op_counter.total
+                    bytes_per_element[name] = round(byte_counter.total / case.x.numel(), 2)
+                bytes_per_element[TORCH_SYNCBN_MODEL] = TORCH_SYNCBN_CUDA_ACCESSES_PER_ELEMENT * case.x.element_size()
                 ratio = medians["syncbn_dist"] / medians["F.batch_norm"]
                 entry = {
                     "shape": list(shape),
@@ -135,6 +146,7 @@ def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str,
                     "median_ms": {name: 1e3 * m for name, m in medians.items()},
                     "ratio": ratio,
                     "ops": ops,
+                    "bytes_per_element": bytes_per_element,
                     "errors": errors,
                 }
                 cases.append(entry)

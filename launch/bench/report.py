@@ -229,19 +229,30 @@ def markdown(summary: dict[str, Any]) -> str:
             f"## Microbenchmark: one layer forward+backward ({micro['device']}, {micro['threads']} thread(s))",
             "",
         ]
+        moved = list(dict.fromkeys(f for c in micro["cases"] for f in c.get("bytes_per_element", {})))
         rows = [
             [str(tuple(c["shape"])), c["dtype"], c["memory_format"]]
             + [f"{fmt(c['median_ms'][f])} ({c['ops'].get(f, '–')})" if f in c["median_ms"] else "–" for f in fns]
             + [fmt(c["ratio"], ".2f")]
+            + [fmt(c.get("bytes_per_element", {}).get(f), ".1f") for f in moved]
             for c in micro["cases"]
         ]
         out += _table(
-            ["shape", "dtype", "format"] + [f"{f} ms (aten ops)" for f in fns] + ["syncbn_dist / F.batch_norm"], rows
+            ["shape", "dtype", "format"]
+            + [f"{f} ms (aten ops)" for f in fns]
+            + ["syncbn_dist / F.batch_norm"]
+            + [f"{f} B/elem" for f in moved],
+            rows,
         )
         out += [
             "",
             "Median ms of one forward+backward; in brackets the aten ops it dispatches (OpCounter). syncbn_dist is "
-            "forced through its synchronized path on a one-member process group.",
+            "forced through its synchronized path on a one-member process group. B/elem: bytes per activation "
+            "element at the op interface for forward + backward (BytesCounter: the storage each tensor argument "
+            "and result of every dispatched op spans; views 0; non-leaf input, autograd.grad for input, weight "
+            "and bias); a kernel's internal passes are not seen (CPU native_batch_norm reads x twice). The torch "
+            "SyncBatchNorm CUDA column is a model, not a measurement: its four kernels touch each element 8 times "
+            "(launch/bench/micro.py).",
         ]
     return "\n".join(out) + "\n"
 

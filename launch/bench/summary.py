@@ -13,6 +13,9 @@ Targets (from the benchmark issues; reported, never asserted by tests):
   default).
 - P6: single-layer forward+backward of the sync path <= 1.5 x ``F.batch_norm`` at every shape and dtype.
 - P7: compiled syncbn_dist step <= eager syncbn_dist step (``torch.compile`` of the DDP model, inductor).
+- P8: single-layer forward+backward of the sync path moves at most the bytes per activation element of
+  torch.nn.SyncBatchNorm's CUDA kernel sequence (32 for float32), at every shape, dtype and layout of the
+  microbenchmark (bytes at the op interface, :class:`launch.common.counting.BytesCounter`).
 """
 
 from __future__ import annotations
@@ -326,7 +329,37 @@ def _targets(scenarios: dict[str, Any], micro: Optional[dict[str, Any]], compute
             "; ".join(details) or "not measured",
         )
     )
+
+    worst, detail = None, "not measured"
+    if micro and micro["cases"]:
+        case = max(micro["cases"], key=_bytes_over_model)
+        worst = _bytes_over_model(case)
+        mine = case["bytes_per_element"]["syncbn_dist"]
+        detail = (
+            f"worst: {tuple(case['shape'])} {case['dtype']} {case['memory_format']}: {mine:g} B/elem "
+            f"(F.batch_norm {case['bytes_per_element']['F.batch_norm']:g}, model {_model_bytes(case):g})"
+        )
+    targets.append(
+        _target(
+            "P8",
+            "sync path fwd+bwd bytes/elem / torch.nn.SyncBatchNorm's CUDA sequence (32 B float32) <= 1, every case",
+            worst,
+            1.0,
+            _le(worst, 1.0),
+            detail,
+        )
+    )
+
     return targets
+
+
+def _model_bytes(case: dict[str, Any]) -> float:
+    return next(v for k, v in case["bytes_per_element"].items() if k.startswith("torch SyncBatchNorm CUDA"))
+
+
+def _bytes_over_model(case: dict[str, Any]) -> float:
+    """syncbn_dist's bytes per element over the modelled torch.nn.SyncBatchNorm CUDA sequence's (P8)."""
+    return case["bytes_per_element"]["syncbn_dist"] / _model_bytes(case)
 
 
 def _le(value: Optional[float], bound: float) -> Optional[bool]:

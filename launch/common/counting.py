@@ -1,4 +1,4 @@
-"""Two instruments that count what a piece of code does; both only observe (the real ops and collectives run).
+"""Instruments that count what a piece of code does; all only observe (the real ops and collectives run).
 
 :class:`OpCounter` counts the ops a piece of code dispatches (views and collectives included): the host cost of
 a layer, and the collectives it sends. On a GPU every dispatched op is a kernel launch or a host-side bookkeeping
@@ -18,6 +18,10 @@ the thread that called ``backward``.
 records each call with the phase the caller set (forward, backward), its payload bytes, dtype and group. It does
 not see DDP's collectives (sent from C++), so under DDP it isolates what the model's own layers send: the
 benchmark's per-variant collective table.
+
+:class:`BytesCounter` adds up the bytes at the op interface: what each dispatched op reads and writes, by the
+definition in its docstring. BatchNorm is memory-bound, so bytes per activation element is the deterministic
+stand-in for its time on a GPU (and on CPU for any real activation size).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 class OpCounter(TorchDispatchMode):
@@ -66,6 +71,79 @@ class OpCounter(TorchDispatchMode):
     def histogram(self) -> str:
         """One ``name: count`` per line, most frequent first."""
         return "\n".join(f"  {name}: {n}" for name, n in self.counts.most_common())
+
+
+# Ops that allocate without writing: their (uninitialized) result moves no bytes.
+_UNINITIALIZED = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"}
+
+
+def spanned_bytes(tensor: Tensor) -> int:
+    """Bytes of storage one tensor view spans: ``(1 + sum((size - 1) * |stride|)) * element_size``, 0 if empty.
+
+    A dense tensor spans its ``numel * element_size`` bytes whatever its memory format; an expanded (stride 0)
+    view spans only the storage it reads, e.g. a (C,) vector broadcast to (N, C, H, W) spans C elements.
+    """
+    if tensor.numel() == 0:
+        return 0
+    extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
+    return extent * tensor.element_size()
+
+
+class BytesCounter(TorchDispatchMode):
+    """Bytes at the op interface: per dispatched op, the :func:`spanned_bytes` of every tensor argument (read) and
+    result (written), summed over the ops dispatched while active (thread-local, as :class:`OpCounter`).
+
+    - A view or alias op (``aten.view``, ``aten.expand``, ``aten.t``, ...: ``OpOverload.is_view``) counts 0 bytes:
+      it moves no data.
+    - An op that allocates without writing (``aten.empty_like`` ...) counts 0 bytes; one that fills a new tensor
+      (``aten.new_ones``, ``aten.zeros_like`` ...) counts only what it writes: its tensor argument gives the dtype
+      and device, its data is not read.
+    - An in-place op counts its mutated argument twice, read and written (``t.addcmul_(a, b)``: t, a, b, and t).
+    - Bytes an op's kernel moves internally are not seen: a kernel that reads its input twice (CPU
+      ``native_batch_norm`` in training computes the statistics, then normalizes) counts it once, and an op that
+      casts its input to another dtype inside (``torch.sum(x, dtype=torch.float64)`` on CPU makes a float64 copy)
+      counts only its interface. :attr:`by_op` shows which ops carry the bytes, to judge them by.
+
+    :attr:`total` is in bytes; divide by the activation's ``numel`` for bytes per element.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        if not func.is_view and name not in _UNINITIALIZED:
+            # new_ones(self, ...), zeros_like(self) ...: self gives the dtype and device, its data is not read.
+            metadata_only = name.startswith("aten.new_") or name.endswith("_like")
+            touched = result if metadata_only else (args, kwargs, result)
+            tensors = [t for t in tree_leaves(touched) if isinstance(t, Tensor)]
+            self.by_op[name] += sum(spanned_bytes(t) for t in tensors)
+        return result
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
+
+    def per_element(self, numel: int) -> dict[str, float]:
+        """Bytes per activation element of each op, largest first (for reports and failure messages)."""
+        return {name: b / numel for name, b in self.by_op.most_common()}
+
+
+def count_layer(
+    layer: Callable[[Tensor], Tensor], leaf: Tensor, grad_output: Tensor, params: list[Tensor]
+) -> tuple[OpCounter, BytesCounter]:
+    """The ops and bytes of one forward + backward of ``layer``, as inside a network.
+
+    The input is a non-leaf (``leaf * 1.0``, made outside the counters, so no AccumulateGrad runs for it) and
+    ``torch.autograd.grad`` takes the gradients of the input and of ``params``. Warm the layer up first: a
+    first call may run one-time work (the agreement check of a synchronized layer).
+    """
+    x = leaf * 1.0
+    with OpCounter() as ops, BytesCounter() as traffic:
+        torch.autograd.grad(layer(x), [x, *params], grad_output)
+    return ops, traffic
 
 
 # Collectives whose calls the counter records. DDP's gradient buckets are reduced from C++ and are not seen.
