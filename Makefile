@@ -10,7 +10,14 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` pulls a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install train train-dp train-multinode compare test bench lint clean
+# make compat: the suite in a separate venv, .venv-compat-<python>-<torch> (docs/compat.md), e.g.
+#   make compat PYTHON=/root/.pyenv/versions/3.10.13/bin/python TORCH=2.10.0
+# PyPI's torch for Linux is a CUDA build: it runs on the CPU once its nvidia-* dependencies are in (several GB).
+TORCH ?= 2.13.0
+COMPAT_ARGS ?=
+COMPAT_VENV = .venv-compat-$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')-$(TORCH)
+
+.PHONY: install train train-dp train-multinode compare test compat bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +51,15 @@ train-multinode: install
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(NPROC) tests
 
+# Not part of CI. torch is pinned while the project installs, so pip fails rather than replace it.
+compat:
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(COMPAT_VENV)/bin/python -m pip install --quiet "torch==$(TORCH)"
+	$(COMPAT_VENV)/bin/python -m pip install --quiet -e ".[dev,train]" "torch==$(TORCH)"
+	$(COMPAT_VENV)/bin/python -c 'import sys, torch; print("compat: Python", sys.version.split()[0], "torch", torch.__version__)'
+	OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -n $(NPROC) tests $(COMPAT_ARGS)
+
 compare: install
 	OMP_NUM_THREADS=1 $(PY) -m launch.compare.run --config configs/compare.yaml $(ARGS)
 
@@ -54,4 +70,4 @@ lint: install
 	$(VENV)/bin/ruff check syncbn_dist launch tests
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache build *.egg-info
+	rm -rf $(VENV) .venv-compat-* outputs .pytest_cache build *.egg-info
