@@ -4,11 +4,16 @@ NPROC ?= 2
 CONFIG ?= configs/digits.yaml
 ARGS ?=
 RDZV_PORT ?= 29510
+# How many times torchrun restarts the workers after one dies; a restart resumes from the last checkpoint.
+MAX_RESTARTS ?= 1
 MULTINODE_CONFIG ?= configs/digits_multinode.yaml
 VENV := .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` pulls a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
+# For torchrun: a fresh store for every restart, so that no attempt reads a dead attempt's keys
+# (launch/common/torchrun.py, RESTART_SAFE_AGENT_ENV; docs/training.md, "Restarts and preemption").
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
 # make compat: the suite in a separate venv, .venv-compat-<python>-<torch> (docs/compat.md), e.g.
 #   make compat PYTHON=/root/.pyenv/versions/3.10.13/bin/python TORCH=2.10.0
@@ -29,19 +34,21 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 train: install
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m launch.digits.train --config $(CONFIG) $(ARGS)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) --max-restarts=$(MAX_RESTARTS) \
+		-m launch.digits.train --config $(CONFIG) $(ARGS)
 
 train-dp: install
 	$(PY) -m launch.digits.train --config configs/digits_dp.yaml
 
 # Two "nodes" x 1 process on loopback through torchrun's c10d rendezvous (which assigns the node ranks:
 # torchrun ignores --node_rank with c10d); fails if either node fails. OMP_NUM_THREADS=1 because the two
-# nodes share this machine's cores (torchrun sets it only for --nproc_per_node > 1).
+# nodes share this machine's cores (torchrun sets it only for --nproc_per_node > 1). The rendezvous id names
+# this launch (a restart resumes only a checkpoint written under it), so it is new for every invocation.
 train-multinode: install
-	@pids=""; trap 'kill -TERM $$pids 2>/dev/null' INT TERM; \
+	@pids=""; trap 'kill -TERM $$pids 2>/dev/null' INT TERM; id=digits-multinode-$$(date +%s)-$$$$; \
 	for node in 0 1; do \
 		OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d \
-			--rdzv_endpoint=127.0.0.1:$(RDZV_PORT) --rdzv_id=digits-multinode --local_addr=127.0.0.1 \
+			--rdzv_endpoint=127.0.0.1:$(RDZV_PORT) --rdzv_id=$$id --local_addr=127.0.0.1 --max-restarts=$(MAX_RESTARTS) \
 			-m launch.digits.train --config $(MULTINODE_CONFIG) $(ARGS) & \
 		pids="$$pids $$!"; \
 	done; \

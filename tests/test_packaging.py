@@ -17,7 +17,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-import torch
 
 import syncbn_dist
 
@@ -60,13 +59,14 @@ def test_version_comes_from_the_distribution_metadata() -> None:
 @pytest.mark.timeout(300)
 def test_wheel_installed_outside_the_tree_imports_and_synchronizes(tmp_path: Path) -> None:
     source = _fresh_clone(tmp_path / "clone")
-    # A venv of the base interpreter with nothing in it, then the running torch (this machine's CPU build) and later
-    # the wheel: no editable install, no .pth into the tree.
+    # A venv of the base interpreter with nothing in it, then the running torch (this machine's CPU build, from pip's
+    # cache for others) and later the wheel: no editable install, no .pth into the tree.
     venv = tmp_path / "venv"
     pip = [sys.executable, "-m", "pip"]
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path)
     python = str(venv / "bin" / "python")
-    _run([*pip, "--python", python, "install", "--quiet", f"torch=={torch.__version__}"], tmp_path, timeout=600)
+    # The distribution's version (2.13.0+cpu here; PyPI's CUDA builds report torch.__version__ 2.10.0+cu128 for 2.10.0).
+    _run([*pip, "--python", python, "install", "--quiet", f"torch=={version('torch')}"], tmp_path, timeout=600)
     work = tmp_path / "elsewhere"  # the working directory: outside the tree, and the script's own directory
     work.mkdir()
     # The clone on sys.path by hand, before anything is built in it (no metadata anywhere): the version's fallback.
