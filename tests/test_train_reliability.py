@@ -629,7 +629,7 @@ def test_sigkilled_worker_mid_epoch_is_restarted_and_finishes_as_the_uninterrupt
     reference.succeed()
     log = restarted.text()
     # torchrun restarted the workers once (TORCHELASTIC_RESTART_COUNT=1), and the restart continued by itself.
-    assert "torchrun restart 1: resuming after epoch 1 + " in log, log
+    assert "restart 1: resuming after epoch 1 + " in log, log
     assert "shares its store" not in log  # env_outside_torchrun launched torchrun with a fresh store per attempt
     got, want = _metrics(tmp_path / "restarted"), _metrics(tmp_path / "reference")
     (resumed,) = got["resumed_from"]

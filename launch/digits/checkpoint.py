@@ -1,9 +1,10 @@
 """Checkpoints of the digits job: what a resumed run needs to continue exactly, and the checks before it does.
 
 The checkpoint holds the model and optimizer, the position (completed epochs, completed steps of the next one,
-the sampler epoch), every rank's RNG states and running sums, the metrics so far and the config, all as tensors
-and plain containers: it loads with ``torch.load(weights_only=True)``. The learning rate is a closed-form function
-of the position (:func:`launch.digits.optim.cosine_schedule`), so no scheduler state is saved.
+the sampler epoch), every rank's RNG states and running sums, the metrics so far, the config and torchrun's run id
+(so that a restart of the same launch finds its own checkpoint), all as tensors and plain containers: it loads
+with ``torch.load(weights_only=True)``. The learning rate is a closed-form function of the position
+(:func:`launch.digits.optim.cosine_schedule`), so no scheduler state is saved.
 """
 
 from __future__ import annotations

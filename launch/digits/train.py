@@ -121,7 +121,8 @@ def _run(cfg: DigitsConfig, runtime: Runtime, checkpoint: dict[str, Any] | None,
         elif checkpoint is None and (out / CHECKPOINT_NAME).is_file():
             log.warning("overwriting the checkpoint in %s (set resume=true to continue it instead)", out)
         if checkpoint is not None:
-            why = "" if cfg.resume else f"torchrun restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '?')}: "
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "?")
+            why = "" if cfg.resume else f"torchrun launch {runtime.launch_id}, restart {restart}: "
             where = out / CHECKPOINT_NAME
             log.info("%sresuming after epoch %d + %d steps from %s", why, completed, progress.step, where)
         log.info(
