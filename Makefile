@@ -4,13 +4,25 @@ NPROC ?= 2
 CONFIG ?= configs/digits.yaml
 ARGS ?=
 RDZV_PORT ?= 29510
+# How many times torchrun restarts the workers after one dies; a restart resumes from the last checkpoint.
+MAX_RESTARTS ?= 1
 MULTINODE_CONFIG ?= configs/digits_multinode.yaml
 VENV := .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` pulls a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
+# For torchrun: a fresh store for every restart, so that no attempt reads a dead attempt's keys
+# (launch/common/torchrun.py, RESTART_SAFE_AGENT_ENV; docs/training.md, "Restarts and preemption").
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
-.PHONY: install train train-dp train-multinode compare test bench lint clean
+# make compat: the suite in a separate venv, .venv-compat-<python>-<torch> (docs/compat.md), e.g.
+#   make compat PYTHON=/root/.pyenv/versions/3.10.13/bin/python TORCH=2.10.0
+# PyPI's torch for Linux is a CUDA build: it runs on the CPU once its nvidia-* dependencies are in (several GB).
+TORCH ?= 2.13.0
+COMPAT_ARGS ?=
+COMPAT_VENV = .venv-compat-$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')-$(TORCH)
+
+.PHONY: install train train-dp train-multinode compare test compat bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,19 +34,21 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 train: install
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m launch.digits.train --config $(CONFIG) $(ARGS)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) --max-restarts=$(MAX_RESTARTS) \
+		-m launch.digits.train --config $(CONFIG) $(ARGS)
 
 train-dp: install
 	$(PY) -m launch.digits.train --config configs/digits_dp.yaml
 
 # Two "nodes" x 1 process on loopback through torchrun's c10d rendezvous (which assigns the node ranks:
 # torchrun ignores --node_rank with c10d); fails if either node fails. OMP_NUM_THREADS=1 because the two
-# nodes share this machine's cores (torchrun sets it only for --nproc_per_node > 1).
+# nodes share this machine's cores (torchrun sets it only for --nproc_per_node > 1). The rendezvous id names
+# this launch (a restart resumes only a checkpoint written under it), so it is new for every invocation.
 train-multinode: install
-	@pids=""; trap 'kill -TERM $$pids 2>/dev/null' INT TERM; \
+	@pids=""; trap 'kill -TERM $$pids 2>/dev/null' INT TERM; id=digits-multinode-$$(date +%s)-$$$$; \
 	for node in 0 1; do \
 		OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d \
-			--rdzv_endpoint=127.0.0.1:$(RDZV_PORT) --rdzv_id=digits-multinode --local_addr=127.0.0.1 \
+			--rdzv_endpoint=127.0.0.1:$(RDZV_PORT) --rdzv_id=$$id --local_addr=127.0.0.1 --max-restarts=$(MAX_RESTARTS) \
 			-m launch.digits.train --config $(MULTINODE_CONFIG) $(ARGS) & \
 		pids="$$pids $$!"; \
 	done; \
@@ -43,6 +57,15 @@ train-multinode: install
 # One intra-op thread per test process: xdist workers and the gloo ranks they spawn share the cores.
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(NPROC) tests
+
+# Not part of CI. torch is pinned while the project installs, so pip fails rather than replace it.
+compat:
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(COMPAT_VENV)/bin/python -m pip install --quiet "torch==$(TORCH)"
+	$(COMPAT_VENV)/bin/python -m pip install --quiet -e ".[dev,train]" "torch==$(TORCH)"
+	$(COMPAT_VENV)/bin/python -c 'import sys, torch; print("compat: Python", sys.version.split()[0], "torch", torch.__version__)'
+	OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -n $(NPROC) tests $(COMPAT_ARGS)
 
 compare: install
 	OMP_NUM_THREADS=1 $(PY) -m launch.compare.run --config configs/compare.yaml $(ARGS)
@@ -54,4 +77,4 @@ lint: install
 	$(VENV)/bin/ruff check syncbn_dist launch tests
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache build *.egg-info
+	rm -rf $(VENV) .venv-compat-* outputs .pytest_cache build *.egg-info

@@ -1,5 +1,7 @@
 """syncbn_dist: exact synchronized BatchNorm over torch.distributed, nn.DataParallel replicas, or both."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from .batchnorm import (
     SyncBatchNorm,
     SynchronizedBatchNorm1d,
@@ -13,6 +15,13 @@ from .convert import convert_model, revert_model
 from .registry import register_conversion
 from .replicate import DataParallelWithCallback, execute_replication_callbacks, patch_replication_callback
 from .running_stats import sync_running_stats
+
+try:
+    # The installed distribution's version (pyproject.toml's, through the wheel's or the editable install's metadata).
+    __version__: str = version("syncbn_dist")
+except PackageNotFoundError:  # the source tree on sys.path without installing it: no metadata to read
+    __version__ = "0+unknown"
+del PackageNotFoundError, version
 
 __all__ = [
     "DataParallelWithCallback",

@@ -1,4 +1,4 @@
-"""Tests of launch/common: the config layer every recipe shares, and the atomic writes."""
+"""Tests of launch/common: the config layer every recipe shares, the atomic writes, and the torchrun restart setting."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from launch.common.config import (
     to_yaml,
 )
 from launch.common.io import atomic_write, write_json
+from launch.common.torchrun import env_outside_torchrun, restart_hazard
 
 
 @dataclass
@@ -129,3 +130,14 @@ def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path: Path) -> 
     assert json.loads(path.read_text()) == {"epoch": 1}  # the complete old file
     assert [p.name for p in path.parent.iterdir()] == ["metrics.json"]  # no temp file left behind
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_restart_hazard_is_a_restartable_worker_on_the_shared_agent_store() -> None:
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "2"}
+    message = restart_hazard(shared)
+    assert message is not None and "--max-restarts=2" in message and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in message
+    assert restart_hazard({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None  # no restart: nothing to go wrong
+    assert restart_hazard({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None  # a store per attempt
+    assert restart_hazard({}) is None  # not under torchrun
+    # Every job the recipes and tests start gets the setting for its torchrun.
+    assert env_outside_torchrun({})["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"

@@ -8,6 +8,7 @@ through ``launch/common/spawn.py``.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import subprocess
@@ -27,7 +28,7 @@ from launch.common.torchrun import env_outside_torchrun
 from launch.digits import train
 from launch.digits.config import DigitsConfig, ModelConfig, TrainConfig, load_digits_config
 from launch.digits.data import load_data
-from launch.digits.loop import check_same_on_all_ranks, evaluate
+from launch.digits.loop import check_same_on_all_ranks, evaluate, show_progress_bar
 from launch.digits.model import DigitsNet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,6 +132,9 @@ def test_floats_in_exponent_form_read_as_floats(tmp_path: Path) -> None:
         ("train:\n  epochs: 0\n", [], ["'train.epochs'", "> 0"]),
         ("timeout_s: 0\n", [], ["'timeout_s'", "> 0", "got 0"]),
         ("resume: 1\n", [], ["'resume'", "expected bool", "int"]),
+        ("progress_bar: sometimes\n", [], ["'progress_bar'", "true, false or 'auto'", "'sometimes'"]),
+        ("progress_bar: 1\n", [], ["'progress_bar'", "expected bool | str", "int"]),
+        ("train:\n  checkpoint_every_steps: -1\n", [], ["'train.checkpoint_every_steps'", ">= 0"]),
         ("", ["resume=yes please"], ["'resume'", "expected bool", "str"]),
         ("data:\n  test_fraction: 1.0\n", [], ["'data.test_fraction'", "in (0, 1)"]),
         ("", ["train.epochs"], ["expected KEY=VALUE"]),
@@ -144,6 +148,17 @@ def test_bad_config_is_rejected_naming_the_key(
         load_digits_config(_yaml(tmp_path, text), overrides)
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_auto_is_on_only_for_a_terminal() -> None:
+    assert DigitsConfig().progress_bar == "auto"
+    assert show_progress_bar("auto", _Terminal()) and not show_progress_bar("auto", io.StringIO())
+    assert show_progress_bar(True, io.StringIO()) and not show_progress_bar(False, _Terminal())
 
 
 def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
@@ -249,11 +264,16 @@ def test_check_same_on_all_ranks_detects_a_differing_running_stat_on_every_rank(
 
 def _run_job(launcher: list[str], config: str, out: Path) -> subprocess.CompletedProcess[str]:
     env = env_outside_torchrun(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # CPU paths, whatever the machine
-    args = ["--config", config, "train.epochs=1", f"output_dir={out}", "progress_bar=false"]
+    args = ["--config", config, "train.epochs=1", f"output_dir={out}"]
     proc = subprocess.run(
         [*launcher, "-m", "launch.digits.train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, f"training failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    # The shipped configs' progress_bar: auto, and stderr is a pipe here as in a cluster's log file: no tqdm frames,
+    # the per-epoch log line instead.
+    assert load_digits_config(ROOT / config).progress_bar == "auto"
+    assert "\r" not in proc.stderr and "it/s" not in proc.stderr, proc.stderr[-2000:]
+    assert "epoch 1/1 loss" in proc.stderr, proc.stderr[-2000:]
     return proc
 
 

@@ -33,7 +33,7 @@ from launch.digits import train
 from launch.digits.checkpoint import CHECKPOINT_FORMAT, CheckpointError, find_resume_checkpoint
 from launch.digits.config import DigitsConfig, load_digits_config
 from launch.digits.model import DigitsNet
-from launch.digits.runtime import Runtime
+from launch.digits.runtime import Runtime, launch_id
 from launch.digits.stop import StopRequest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,6 +198,49 @@ def test_checkpoint_is_written_atomically_every_epoch(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt", "config.yaml", "metrics.json"]  # no temp
     assert _checkpoint(tmp_path)["epoch"] == 1  # the previous checkpoint, intact
     assert [row["epoch"] for row in _metrics(tmp_path)["epochs"]] == [1]
+
+
+def test_checkpoint_every_steps_writes_mid_epoch_checkpoints_that_resume_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference_run: Path
+) -> None:
+    steps, every = _metrics(reference_run)["steps_per_epoch"], 30
+    real_save, written = train.save_checkpoint, []
+
+    def save(path: Path, *args: Any) -> None:
+        real_save(path, *args)
+        checkpoint = torch.load(path, weights_only=True)
+        written.append((checkpoint["epoch"], checkpoint["step"]))
+        if len(written) == 4:  # 30 steps into epoch 2: kept to resume from below
+            (tmp_path / "mid_epoch").mkdir()
+            (tmp_path / "mid_epoch" / "checkpoint.pt").write_bytes(path.read_bytes())
+
+    monkeypatch.setattr(train, "save_checkpoint", save)
+    assert train.main(_cfg(tmp_path / "run", f"train.checkpoint_every_steps={every}")) == 0
+    # Every 30 steps inside an epoch, none at its last step (the epoch's own checkpoint follows), then the epoch's.
+    within = [(epoch, step) for step in range(every, steps, every) for epoch in (0, 1)]
+    assert sorted(written) == sorted([*within, (1, 0), (2, 0)]) and written[3] == (1, every)
+    _assert_same_training(tmp_path / "run", reference_run)  # checkpointing changes nothing
+
+    monkeypatch.undo()
+    assert train.main(_cfg(tmp_path / "mid_epoch", "resume=true")) == 0
+    _assert_same_training(tmp_path / "mid_epoch", reference_run)
+    assert _metrics(tmp_path / "mid_epoch")["resumed_from"] == [{"epoch": 1, "step": every}]
+
+
+def test_a_torchrun_restart_resumes_only_its_own_launchs_checkpoint(resumable: Path) -> None:
+    checkpoint = _checkpoint(resumable)
+    checkpoint["launch_id"] = "job-a"
+    torch.save(checkpoint, resumable / "checkpoint.pt")
+    fresh = _cfg(resumable)  # resume=false, as make train runs it
+    assert find_resume_checkpoint(fresh, 1, launch_id="job-a")["step"] == 3  # a later attempt of the same launch
+    assert find_resume_checkpoint(fresh, 1, launch_id="job-b") is None  # another launch's: start afresh
+    assert find_resume_checkpoint(fresh, 1, launch_id=None) is None  # not under torchrun
+    assert find_resume_checkpoint(_cfg(resumable, "resume=true"), 1, launch_id="job-b")["step"] == 3  # asked for
+    (resumable / "checkpoint.pt").write_bytes(b"not a checkpoint")  # unreadable: no attempt of this launch wrote it
+    assert find_resume_checkpoint(fresh, 1, launch_id="job-a") is None
+    # torchrun's run id: --standalone draws one per launch; "none" is its placeholder without --rdzv_id.
+    assert launch_id({"TORCHELASTIC_RUN_ID": "3f2a"}) == "3f2a"
+    assert launch_id({"TORCHELASTIC_RUN_ID": "none"}) is None and launch_id({}) is None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -544,6 +587,55 @@ def test_sigkilled_worker_fails_the_run_with_torchrun_report_instead_of_hanging(
     assert "ChildFailedError" in log and "launch.digits.train FAILED" in log
     assert f"exitcode  : -9 (pid: {workers[1]})" in log and "Signal 9 (SIGKILL)" in log  # the root cause
     assert "final_test_acc" not in _metrics(tmp_path / "killed")  # it did not finish
+
+
+def _wait_for_checkpoint(job: _Job, epoch: int, step: int, timeout: float = 180) -> None:
+    """Until ``job``'s checkpoint is at ``epoch`` completed epochs and at least ``step`` steps into the next."""
+    deadline, path, seen = time.monotonic() + timeout, job.out / "checkpoint.pt", 0.0
+    while time.monotonic() < deadline:
+        if path.is_file() and path.stat().st_mtime != seen:
+            seen = path.stat().st_mtime
+            checkpoint = torch.load(path, weights_only=True)  # atomically replaced: always whole
+            if (checkpoint["epoch"], checkpoint["step"]) >= (epoch, step):
+                return
+        if job.proc.poll() is not None:
+            pytest.fail(f"torchrun exited ({job.proc.returncode}) before that checkpoint:\n{job.text()}")
+        time.sleep(0.02)
+    job.close()
+    pytest.fail(f"no checkpoint at epoch {epoch} step {step} within {timeout} s:\n{job.text()}")
+
+
+def _without_timing(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` less its wall times and resume history: what an uninterrupted run must reproduce exactly."""
+    kept = {key: value for key, value in metrics.items() if key not in ("total_time_s", "resumed_from")}
+    kept["epochs"] = [{k: v for k, v in row.items() if k != "epoch_time_s"} for row in metrics["epochs"]]
+    return kept
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_sigkilled_worker_mid_epoch_is_restarted_and_finishes_as_the_uninterrupted_run(
+    tmp_path: Path, jobs: Any
+) -> None:
+    every = 5  # of the 44 steps of an epoch
+    reference = jobs(STANDALONE, tmp_path / "reference")
+    restarted = jobs([*STANDALONE, "--max-restarts=1"], tmp_path / "restarted", f"train.checkpoint_every_steps={every}")
+    _wait_for_checkpoint(restarted, epoch=1, step=every)  # epoch 2 is under way
+    workers = restarted.workers()
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)  # as the OOM killer would: no handler, no checkpoint
+    restarted.succeed()  # torchrun restarts both workers once; the job finishes and exits 0
+    reference.succeed()
+    log = restarted.text()
+    # torchrun restarted the workers once (TORCHELASTIC_RESTART_COUNT=1), and the restart continued by itself.
+    assert "restart 1: resuming after epoch 1 + " in log, log
+    assert "shares its store" not in log  # env_outside_torchrun launched torchrun with a fresh store per attempt
+    got, want = _metrics(tmp_path / "restarted"), _metrics(tmp_path / "reference")
+    (resumed,) = got["resumed_from"]
+    assert resumed["epoch"] == 1 and 0 < resumed["step"] < got["steps_per_epoch"] and resumed["step"] % every == 0
+    assert got["state_sha256"] == want["state_sha256"] and len(set(got["state_sha256"])) == 1  # bit-identical
+    assert _without_timing(got) == _without_timing(want)
 
 
 def _free_port() -> int:

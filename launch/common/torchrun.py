@@ -1,4 +1,5 @@
-"""Start jobs under torchrun from Python, with an environment that is not mistaken for an outer launch's."""
+"""Start jobs under torchrun from Python, with an environment that is not mistaken for an outer launch's, and the
+launcher setting that makes torchrun's restarts reliable."""
 
 from __future__ import annotations
 
@@ -30,29 +31,51 @@ TORCHRUN_VARIABLES = frozenset(
 )
 
 
+# For torchrun itself (the elastic agent), not its workers: a new c10d store for every rendezvous round, hosted by
+# the new attempt's rank 0 on a fresh port, instead of the agent's TCPStore shared by every attempt. With the
+# shared store (torch's default; the same in 2.10 to 2.14), the workers of a restarted attempt find the keys of
+# the attempt that died, e.g. the gloo address of a dead rank, and fail in init_process_group ("Gloo
+# connectFullMesh failed ... Connection refused"). Workers cannot fix this: the agent shares its store before
+# they start. The Makefile exports the same variable for `make train*`; docs/training.md, "Restarts and preemption".
+RESTART_SAFE_AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def restart_hazard(env: Mapping[str, str] | None = None) -> str | None:
+    """Why a torchrun restart of this worker's job may fail, or None: restarts are allowed and the agent shares its
+    store across attempts (``RESTART_SAFE_AGENT_ENV`` was not set for torchrun). For a warning at start-up."""
+    env = os.environ if env is None else env
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1:
+        return None
+    setting = " ".join(f"{key}={value}" for key, value in RESTART_SAFE_AGENT_ENV.items())
+    return (
+        f"torchrun may restart this job (--max-restarts={env['TORCHELASTIC_MAX_RESTARTS']}) but shares its store "
+        "across attempts, so a restarted worker can read a dead attempt's addresses and fail in "
+        f"init_process_group; launch torchrun with {setting} (docs/training.md, 'Restarts and preemption')"
+    )
+
+
 def env_outside_torchrun(base: Mapping[str, str] | None = None, **updates: str) -> dict[str, str]:
     """A copy of ``base`` (default ``os.environ``) without any variable torchrun sets for its workers, then
     ``updates``: the environment of a job started as a subprocess.
 
     A job started from inside a torchrun worker (or from a shell that exported ``RANK``, ``MASTER_PORT``, ...)
     would otherwise take itself for a rank of that outer launch, or a nested torchrun would reuse its port.
+    It also holds :data:`RESTART_SAFE_AGENT_ENV`, for the torchrun started with it.
     """
     env = {
         key: value
         for key, value in (os.environ if base is None else base).items()
         if key not in TORCHRUN_VARIABLES and not key.startswith("TORCHELASTIC_")
     }
+    env.update(RESTART_SAFE_AGENT_ENV)
     env.update(updates)
     return env
 
 
-def torchrun_command(nproc: int, module: str, args: Sequence[str] = ()) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc_per_node=nproc -m module args...``."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + [
-        "-m",
-        module,
-        *args,
-    ]
+def torchrun_command(nproc: int, module: str, args: Sequence[str] = (), max_restarts: int = 0) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc_per_node=nproc --max-restarts=N -m module args...``."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*launcher, f"--max-restarts={max_restarts}", "-m", module, *args]
 
 
 def run_torchrun(nproc: int, module: str, args: Sequence[str], log_path: Path, timeout_s: float) -> float:

@@ -1,9 +1,10 @@
 """Checkpoints of the digits job: what a resumed run needs to continue exactly, and the checks before it does.
 
 The checkpoint holds the model and optimizer, the position (completed epochs, completed steps of the next one,
-the sampler epoch), every rank's RNG states and running sums, the metrics so far and the config, all as tensors
-and plain containers: it loads with ``torch.load(weights_only=True)``. The learning rate is a closed-form function
-of the position (:func:`launch.digits.optim.cosine_schedule`), so no scheduler state is saved.
+the sampler epoch), every rank's RNG states and running sums, the metrics so far, the config and torchrun's run id
+(so that a restart of the same launch finds its own checkpoint), all as tensors and plain containers: it loads
+with ``torch.load(weights_only=True)``. The learning rate is a closed-form function of the position
+(:func:`launch.digits.optim.cosine_schedule`), so no scheduler state is saved.
 """
 
 from __future__ import annotations
@@ -28,7 +29,15 @@ CHECKPOINT_NAME = "checkpoint.pt"
 # progress is shown, how long a collective may wait, how far to train, the eval batch (eval-mode BatchNorm
 # uses the running statistics, so it does not change results). Any other difference changes what a
 # training step computes (model, data, batch, optimizer, seed, parallel mode, device), and is refused.
-RESUME_MAY_CHANGE = ("output_dir", "progress_bar", "timeout_s", "resume", "train.epochs", "data.eval_batch_size")
+RESUME_MAY_CHANGE = (
+    "output_dir",
+    "progress_bar",
+    "timeout_s",
+    "resume",
+    "train.epochs",
+    "train.checkpoint_every_steps",
+    "data.eval_batch_size",
+)
 _RESUME_KEYS = ("step", "sampler_epoch", "world_size", "replicas_per_process", "rng", "epoch_sums", "metrics")
 
 
@@ -116,6 +125,7 @@ def resume_state(
         "rank_buffers": rank_buffers,
         "metrics": metrics,
         "elapsed_s": dict(elapsed_s),
+        "launch_id": runtime.launch_id,
     }
 
 
@@ -200,16 +210,28 @@ def check_resumable(checkpoint: dict[str, Any], cfg: DigitsConfig, world_size: i
         )
 
 
-def find_resume_checkpoint(cfg: DigitsConfig, world_size: int) -> dict[str, Any] | None:
-    """With ``cfg.resume``, the checkpoint in ``cfg.output_dir``, loaded and checked; else, or if there is none, None.
+def find_resume_checkpoint(cfg: DigitsConfig, world_size: int, launch_id: str | None = None) -> dict[str, Any] | None:
+    """The checkpoint to continue from, loaded and checked, or None to start afresh.
+
+    That is the checkpoint in ``cfg.output_dir`` if ``cfg.resume``, or if it was written under ``launch_id`` (an
+    earlier attempt of this torchrun launch: the job was restarted after a worker died); else None, as when there is
+    none.
 
     Raises:
         CheckpointError: see :func:`load_checkpoint` and :func:`check_resumable`.
     """
     path = Path(cfg.output_dir) / CHECKPOINT_NAME
-    if not cfg.resume or not path.is_file():
+    if not path.is_file() or not (cfg.resume or launch_id is not None):
         return None
-    checkpoint = load_checkpoint(path)
+    if cfg.resume:
+        checkpoint = load_checkpoint(path)
+    else:
+        try:
+            checkpoint = load_checkpoint(path)
+        except CheckpointError:  # not one this launch wrote (its writes are atomic): overwritten, as without torchrun
+            return None
+        if checkpoint.get("launch_id") != launch_id:
+            return None  # another launch's: started afresh and overwritten
     check_resumable(checkpoint, cfg, world_size, path)
     return checkpoint
 

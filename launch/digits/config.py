@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Union
 
 import torch
 
@@ -47,6 +48,9 @@ class TrainConfig:
     lr: float = non_negative(0.1)  # for the global batch (all ranks/replicas together)
     momentum: float = ruled(0.9, "in [0, 1)", lambda v: 0 <= v < 1)
     weight_decay: float = non_negative(5.0e-4)
+    # Also checkpoint every this many steps inside an epoch (0: at epoch ends and on SIGTERM only). A restarted or
+    # resumed run continues from the last one bit for bit, so a dead worker costs at most this many steps.
+    checkpoint_every_steps: int = non_negative(0)
 
 
 @dataclass
@@ -59,7 +63,9 @@ class DigitsConfig:
     device: str = one_of("auto", "auto", "cpu", "cuda")
     cpu_replicas: int = positive(2)  # dataparallel without CUDA: this many CPU thread replicas
     timeout_s: float = positive(300.0)  # collective timeout of the process group
-    progress_bar: bool = True
+    # tqdm on rank 0: true, false, or "auto": on only when stderr is a terminal, so that logs redirected to a file
+    # (SLURM, nohup, CI) get the per-epoch log lines and no carriage-return frames.
+    progress_bar: Union[bool, str] = ruled("auto", "true, false or 'auto'", lambda v: v in (True, False, "auto"))
     resume: bool = False  # continue from output_dir/checkpoint.pt (start afresh, with a warning, if there is none)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

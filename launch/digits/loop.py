@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import sys
 from dataclasses import dataclass
+from typing import Callable, TextIO
 
 import torch
 import torch.distributed as dist
@@ -55,19 +57,23 @@ def train_steps(
     progress: EpochProgress,
     stop: StopRequest | None = None,
     desc: str = "",
-    progress_bar: bool = False,
+    progress_bar: bool | str = False,
+    checkpoint_every: int = 0,
+    checkpoint: Callable[[], None] | None = None,
 ) -> int:
     """Run the epoch's steps from ``progress.step`` on, updating ``progress`` after each.
 
     Before every step (the first included) all ranks agree whether to stop; the batches already done are
     skipped (the sampler's order is fixed for the epoch), so the sums continue exactly where they stopped.
+    With ``checkpoint_every`` > 0, ``checkpoint()`` runs on every rank after each ``checkpoint_every``-th step of
+    the epoch but its last (the epoch's own checkpoint follows that). ``progress_bar``: see :func:`show_progress_bar`.
 
     Returns:
         0 when the epoch is complete, else the number of the signal that stopped it.
     """
     model.train()
     batches = itertools.islice(loader, progress.step, None)
-    show = progress_bar and runtime.is_main
+    show = runtime.is_main and show_progress_bar(progress_bar)
     bar = tqdm(batches, desc=desc, total=len(loader), initial=progress.step, leave=False, disable=not show)
     for images, labels in bar:
         signum = stop.agreed(runtime) if stop is not None else 0
@@ -81,7 +87,19 @@ def train_steps(
         progress.count += len(labels)
         progress.step += 1
         bar.set_postfix(loss=f"{loss.item():.4f}")
+        if checkpoint is not None and checkpoint_every and progress.step % checkpoint_every == 0:
+            if progress.step < len(loader):
+                checkpoint()
     return 0
+
+
+def show_progress_bar(setting: bool | str, stream: TextIO | None = None) -> bool:
+    """Whether to draw tqdm's bar (on ``stream``, default stderr, where tqdm writes): ``True``, ``False``, or
+    ``"auto"``: only when ``stream`` is a terminal. Redirected to a file, each redraw would be a line of the log."""
+    if setting == "auto":
+        stream = sys.stderr if stream is None else stream
+        return bool(getattr(stream, "isatty", lambda: False)())
+    return bool(setting)
 
 
 def epoch_means(progress: EpochProgress, runtime: Runtime) -> tuple[float, float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,10 +21,23 @@ class Runtime:
     world_size: int
     device: torch.device
     distributed: bool
+    launch_id: str | None = None  # see launch_id()
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def launch_id(env: Mapping[str, str] | None = None) -> str | None:
+    """The id of this torchrun launch, the same in every attempt and on every node, or None without one.
+
+    torchrun's run id (``--rdzv_id``; ``--standalone`` draws a random one per launch), from ``TORCHELASTIC_RUN_ID``.
+    torchrun's placeholder ``none`` (no ``--rdzv_id`` given) is not an id: it is the same for every launch.
+    A checkpoint written under an id is resumed by a later attempt of the same launch (a restart) without
+    ``resume=true`` (:func:`launch.digits.checkpoint.find_resume_checkpoint`).
+    """
+    run_id = (os.environ if env is None else env).get("TORCHELASTIC_RUN_ID", "")
+    return None if run_id in ("", "none") else run_id
 
 
 def pick_device(cfg: DigitsConfig, local_rank: int) -> torch.device:
@@ -55,4 +69,4 @@ def init_distributed(cfg: DigitsConfig) -> Runtime:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
-    return Runtime(dist.get_rank(), dist.get_world_size(), device, distributed=True)
+    return Runtime(dist.get_rank(), dist.get_world_size(), device, distributed=True, launch_id=launch_id())

@@ -9,6 +9,7 @@ Commands (from the repository root)::
         train.epochs=3 output_dir=outputs/quick
     torchrun --standalone --nproc_per_node=2 -m launch.digits.train --config configs/digits.yaml resume=true
     make train-multinode             # two "nodes" x 1 process on loopback (see the Makefile)
+    make train MAX_RESTARTS=3 ARGS=train.checkpoint_every_steps=20   # survive up to 3 dead workers
     python -m launch.digits.train --help
 
 ``parallel: ddp`` runs one process per rank under torchrun: the BatchNorm layers are converted with
@@ -28,10 +29,17 @@ ranks agree on, write a checkpoint of the last completed step and exit 0. ``resu
 uninterrupted run bit for bit (:mod:`launch.digits.checkpoint` says what the checkpoint holds). The job's
 randomness comes only from torch: dropout draws from the global CPU (and CUDA) generators, which are
 checkpointed; the data order is a function of ``(seed, sampler epoch)``.
+
+Under ``torchrun --max-restarts=N`` a worker that dies (SIGKILL, OOM) makes torchrun restart all of them; the new
+attempt resumes from the last checkpoint this launch wrote, as with ``resume=true`` (the checkpoint records
+torchrun's run id), so it redoes at most the steps since that checkpoint: up to an epoch, or
+``train.checkpoint_every_steps``. Launch with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (``make train`` does): see
+"Restarts and preemption" in docs/training.md.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -47,6 +55,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import syncbn_dist
 from launch.common.config import ConfigError, config_error_exit, parse_config, to_yaml
 from launch.common.io import write_json, write_text
+from launch.common.torchrun import restart_hazard
 from launch.digits.checkpoint import (
     CHECKPOINT_NAME,
     check_same_position,
@@ -60,7 +69,7 @@ from launch.digits.data import build_loaders
 from launch.digits.loop import EpochProgress, check_same_on_all_ranks, epoch_means, evaluate, train_steps
 from launch.digits.model import bn_transports, build_model
 from launch.digits.optim import build_optimizer, cosine_schedule
-from launch.digits.runtime import Runtime, init_distributed
+from launch.digits.runtime import Runtime, init_distributed, launch_id
 from launch.digits.stop import StopRequest
 
 log = logging.getLogger("train")
@@ -69,12 +78,13 @@ log = logging.getLogger("train")
 def run(cfg: DigitsConfig, runtime: Runtime, checkpoint: dict[str, Any] | None = None) -> int:
     """Train, evaluate and checkpoint every epoch, check the ranks agree, and (rank 0) write the outputs.
 
-    With ``cfg.resume``, continue from ``checkpoint`` (or the one in ``output_dir``). On SIGTERM/SIGINT, stop at
-    the next step all ranks agree on, checkpoint it, and return 0.
+    With ``cfg.resume``, or in a torchrun restart, continue from ``checkpoint`` (or the one in ``output_dir``; see
+    :func:`~launch.digits.checkpoint.find_resume_checkpoint`). With ``train.checkpoint_every_steps``, checkpoint
+    inside epochs too. On SIGTERM/SIGINT, stop at the next step all ranks agree on, checkpoint it, and return 0.
     """
     with StopRequest() as stop:
-        if checkpoint is None and cfg.resume:
-            checkpoint = find_resume_checkpoint(cfg, runtime.world_size)
+        if checkpoint is None:
+            checkpoint = find_resume_checkpoint(cfg, runtime.world_size, runtime.launch_id)
         return _run(cfg, runtime, checkpoint, stop, Path(cfg.output_dir))
 
 
@@ -104,12 +114,17 @@ def _run(cfg: DigitsConfig, runtime: Runtime, checkpoint: dict[str, Any] | None,
     if runtime.is_main:
         header = "# The resolved config of this run (defaults + config file + KEY=VALUE overrides).\n"
         write_text(out / "config.yaml", to_yaml(cfg, header))
+        if (hazard := restart_hazard()) is not None:
+            log.warning(hazard)
         if cfg.resume and checkpoint is None:
             log.warning("resume: no %s in %s, starting afresh", CHECKPOINT_NAME, out)
         elif checkpoint is None and (out / CHECKPOINT_NAME).is_file():
             log.warning("overwriting the checkpoint in %s (set resume=true to continue it instead)", out)
         if checkpoint is not None:
-            log.info("resuming after epoch %d + %d steps from %s", completed, progress.step, out / CHECKPOINT_NAME)
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "?")
+            why = "" if cfg.resume else f"torchrun launch {runtime.launch_id}, restart {restart}: "
+            where = out / CHECKPOINT_NAME
+            log.info("%sresuming after epoch %d + %d steps from %s", why, completed, progress.step, where)
         log.info(
             "parallel=%s world_size=%d replicas=%d device=%s batch/BatchNorm=%d global batch=%d steps/epoch=%d",
             cfg.parallel,
@@ -134,7 +149,18 @@ def _run(cfg: DigitsConfig, runtime: Runtime, checkpoint: dict[str, Any] | None,
         sampler.set_epoch(epoch)
         lr = optimizer.param_groups[0]["lr"]
         desc = f"epoch {epoch}/{cfg.train.epochs}"
-        signum = train_steps(model, train_loader, optimizer, runtime, progress, stop, desc, cfg.progress_bar)
+        signum = train_steps(
+            model,
+            train_loader,
+            optimizer,
+            runtime,
+            progress,
+            stop,
+            desc,
+            cfg.progress_bar,
+            checkpoint_every=cfg.train.checkpoint_every_steps,
+            checkpoint=functools.partial(checkpoint_now, epoch, epoch_start),
+        )
         if signum:
             checkpoint_now(epoch, epoch_start)
             name = signal.Signals(signum).name
@@ -194,7 +220,7 @@ def main(cfg: DigitsConfig | None = None) -> int:
         if cfg is None:
             cfg = parse_config(DigitsConfig, None, "Train a BatchNorm CNN on digits with synchronized BatchNorm.")
         check_launch(cfg)
-        checkpoint = find_resume_checkpoint(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        checkpoint = find_resume_checkpoint(cfg, int(os.environ.get("WORLD_SIZE", "1")), launch_id())
     except ConfigError as error:
         return config_error_exit(error)
     runtime = init_distributed(cfg)
