@@ -44,10 +44,12 @@ __all__ = [
 _COMBINE_DTYPE = torch.float64
 
 EPS_MODES = ("plus", "clip")
-# Activations of at least this many elements take the memory-lean path (44 B/elem contiguous NCHW float32, 56 on
-# other layouts, against 68) at about 12 more ops per layer; below it the op-lean path (29 ops). Measured (1 thread,
-# CPU, interleaved, other work on the machine): see docs/design.md, "Byte accounting".
-LEAN_MIN_NUMEL = 1 << 20
+# Eager CPU activations of at least this many elements (1 MiB of float32) take the memory-lean path (44 B/elem on
+# contiguous NCHW float32 at 44 ops per layer, 56 B/elem at 36 ops elsewhere) and smaller ones the op-lean path
+# (68 B/elem, 29 ops): latency, not bandwidth, bounds a small layer. The measured crossover (1 thread, both paths
+# interleaved in one process, other work on the machine): lean / op-lean time 1.07 at 100,352 elements, 0.82 at
+# 200,704, 0.89-0.90 from 401,408 to 1,605,632 (contiguous NCHW, C = 64). See docs/design.md.
+LEAN_MIN_NUMEL = 1 << 18
 
 
 class Transport(Protocol):
@@ -73,7 +75,8 @@ def local_payload(input: Tensor) -> Tensor:
     Computed as ``count * [mean, var + mean**2, 1]`` from the native statistics kernel
     (``torch.batch_norm_update_stats``; ``torch.var_mean`` inside a ``torch.compile`` graph) on a float64 copy
     of ``input``: the mean and the biased variance come out in float64 for every layout and dtype, so the
-    payload is exact to float64 rounding.
+    payload is exact to float64 rounding. Contiguous float32 (N, C, *spatial) inputs in the memory-lean regime
+    skip the copy (:func:`_copy_free_payload`, as exact).
 
     Args:
         input: (N, C, *) floating tensor, any memory format; N may be 0.
@@ -100,7 +103,10 @@ def local_payload(input: Tensor) -> Tensor:
 
 
 def _lean_regime(input: Tensor) -> bool:
-    """Whether the layer takes the memory-lean path: eager CPU activations of at least ``LEAN_MIN_NUMEL``."""
+    """Whether the layer takes the memory-lean path: eager CPU activations of at least ``LEAN_MIN_NUMEL`` elements.
+
+    ``torch.compile`` graphs keep the op-lean path, so that the compiled graph does not depend on the size.
+    """
     return not torch.compiler.is_compiling() and not input.is_cuda and input.numel() >= LEAN_MIN_NUMEL
 
 
