@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from syncbn_dist.functions import combine_moments, local_moments, sync_batch_norm
+from syncbn_dist.functions import LEAN_MIN_NUMEL, combine_moments, local_moments, sync_batch_norm
 
 SHAPES = [(6, 3), (5, 3, 4), (4, 3, 3, 2), (3, 2, 2, 3, 2)]
 
@@ -276,3 +276,76 @@ def test_empty_input_gives_empty_output_and_leaves_running_stats() -> None:
     # As nn.BatchNorm on an empty batch: running statistics untouched, zero parameter gradients.
     assert torch.equal(running_mean, torch.full((3,), 0.25)) and torch.equal(running_var, torch.full((3,), 2.0))
     assert torch.equal(weight.grad, torch.zeros(3)) and torch.equal(bias.grad, torch.zeros(3))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The memory-lean regime (activations of at least LEAN_MIN_NUMEL elements)
+# ------------------------------------------------------------------------------------------------------------
+
+# Just above the threshold, so that these stay fast: (N, C, H, W) and (N, C) with C = 8.
+_LEAN_4D = (20, 8, 48, 44)
+_LEAN_2D = (LEAN_MIN_NUMEL // 8 + 7, 8)
+
+
+@pytest.mark.parametrize("ratio", [1e3, 1e4])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "2d"])
+def test_lean_regime_variance_precision_far_from_zero_mean(ratio: float, layout: str) -> None:
+    shape = _LEAN_2D if layout == "2d" else _LEAN_4D
+    x = _data(shape, mean=ratio, std=1.0, seed=9).float()
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    count = torch.zeros(1, dtype=torch.float64)
+    moments = torch.zeros(2 * shape[1], dtype=torch.float64)
+    sizes = [3, 0, 1]
+    shards = x.split(sizes + [shape[0] - sum(sizes)])  # uneven, one empty; only the largest is in the lean regime
+    assert shards[-1].numel() >= LEAN_MIN_NUMEL
+    for shard in shards:
+        c, m = local_moments(shard)
+        count, moments = count + c, moments + m
+    mean, var = combine_moments(count, moments)
+    ref_var, ref_mean = torch.var_mean(x.double(), dim=_reduce_dims(x), correction=0)
+    torch.testing.assert_close(mean, ref_mean, rtol=0.0, atol=1e-6)
+    torch.testing.assert_close(var, ref_var, rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("eps_mode", ["plus", "clip"])
+def test_lean_regime_matches_f_batch_norm(
+    memory_format: torch.memory_format, affine: bool, eps_mode: str
+) -> None:
+    c, eps, momentum = _LEAN_4D[1], 1e-5, 0.1
+    x64 = _data(_LEAN_4D, mean=1.5, std=2.0, seed=10)
+    x64[:, 0] *= 1e-3  # variance ~4e-6 < eps: "clip" clips this channel
+    x = x64.float().contiguous(memory_format=memory_format).requires_grad_()
+    assert x.numel() >= LEAN_MIN_NUMEL
+    weight = _param(c, 6, torch.float32, 1.0) if affine else None
+    bias = _param(c, 7, torch.float32, 0.0) if affine else None
+    running_mean, running_var = torch.zeros(c), torch.ones(c)
+    grad_out = torch.randn(_LEAN_4D, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+
+    out = sync_batch_norm(x, weight, bias, running_mean, running_var, momentum, eps, _SoloTransport(), eps_mode)
+    out.backward(grad_out.float())
+
+    x_ref = x.detach().double().requires_grad_()
+    params = [p.detach().double().requires_grad_() for p in (weight, bias)] if affine else [None, None]
+    rm, rv = torch.zeros(c, dtype=torch.float64), torch.ones(c, dtype=torch.float64)
+    ref = F.batch_norm(x_ref, rm, rv, params[0], params[1], True, momentum, eps)
+    if eps_mode == "clip":
+        # sqrt(max(var, eps)) written out (running statistics as F.batch_norm): the clamp has no gradient.
+        dims, view = _reduce_dims(x_ref), (1, -1, 1, 1)
+        var, mean = torch.var_mean(x_ref, dims, correction=0)
+        ref = (x_ref - mean.view(view)) * torch.rsqrt(var.clamp(min=eps)).view(view)
+        if affine:
+            ref = ref * params[0].view(view) + params[1].view(view)
+    ref.backward(grad_out)
+
+    tol = {"rtol": 1e-5, "atol": 1e-5}
+    grad_tol = {"rtol": 1e-5, "atol": 1e-5 * (x.numel() // c)}
+    torch.testing.assert_close(out.double(), ref, **tol)
+    torch.testing.assert_close(x.grad.double(), x_ref.grad, **tol)
+    if affine:
+        torch.testing.assert_close(weight.grad.double(), params[0].grad, **grad_tol)
+        torch.testing.assert_close(bias.grad.double(), params[1].grad, **grad_tol)
+    torch.testing.assert_close(running_mean.double(), rm, **tol)
+    torch.testing.assert_close(running_var.double(), rv, **tol)
