@@ -44,11 +44,11 @@ __all__ = [
 _COMBINE_DTYPE = torch.float64
 
 EPS_MODES = ("plus", "clip")
-# Eager CPU activations of at least this many elements (1 MiB of float32) take the memory-lean path (44 B/elem on
-# contiguous NCHW float32 at 44 ops per layer, 56 B/elem at 36 ops elsewhere) and smaller ones the op-lean path
-# (68 B/elem, 29 ops): latency, not bandwidth, bounds a small layer. The measured crossover (1 thread, both paths
-# interleaved in one process, other work on the machine): lean / op-lean time 1.07 at 100,352 elements, 0.82 at
-# 200,704, 0.89-0.90 from 401,408 to 1,605,632 (contiguous NCHW, C = 64). See docs/design.md.
+# Eager CPU float32/float64 activations of at least this many elements (1 MiB of float32) take the memory-lean
+# path (44 B/elem on contiguous NCHW float32 at 44 ops per layer, 56 B/elem at 36 ops elsewhere) and the rest the
+# op-lean path (68 B/elem, 29 ops): latency, not bandwidth, bounds a small layer. The measured crossover (1 thread,
+# both paths interleaved in one process, other work on the machine): lean / op-lean time 1.07 at 100,352 elements,
+# 0.82 at 200,704, 0.89-0.90 from 401,408 to 1,605,632 (contiguous NCHW, C = 64). See docs/design.md.
 LEAN_MIN_NUMEL = 1 << 18
 
 
@@ -274,8 +274,10 @@ def _grad_input(
             grad_output, input, mean, invstd, _as_stat(weight, mean), mean_dy, mean_dy_xhat / invstd,
             torch.ones(1, dtype=torch.int32, device=input.device),
         )
-    if _lean_regime(input):
+    if _lean_regime(input) and input.dtype not in (torch.float16, torch.bfloat16):
         # dy * scale - scale * (mean_dy + x_hat * mean_dy_xhat): one inference batch norm and one addcmul_.
+        # Not for float16/bfloat16: their addcmul_ with a float32 scale is slower than the two-pass form (measured
+        # 1.25x contiguous, 1.65x channels_last at (32, 64, 28, 28) bfloat16), so they keep the op-lean path.
         scale = torch.rsqrt(var + eps)
         if weight is not None:
             scale = scale * weight.to(mean.dtype)
