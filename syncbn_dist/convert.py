@@ -165,7 +165,8 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, str
     The new layers own the same parameter and buffer tensors (values, requires_grad, device, dtype, and the
     optimizer's references survive), the same eps, momentum (None included), affine, track_running_stats, training
     flag, qconfig and other instance attributes, and a family's child modules, so ``state_dict()`` keys are
-    unchanged. InstanceNorm, LazyBatchNorm (until its first forward) and other relatives are left alone. Mirrors
+    unchanged. InstanceNorm and other relatives are left alone, and so is LazyBatchNorm until its first forward
+    (with a ``UserWarning`` naming it: it would otherwise stay unsynchronized without a word). Mirrors
     ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``, which instead turns every subclass into a plain
     ``nn.SyncBatchNorm`` and so drops a norm+act layer's activation.
 
@@ -200,6 +201,18 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, str
             output_device=getattr(module, "output_device", None) if module.device_ids else None,
             dim=getattr(module, "dim", 0),
             cpu_replicas=getattr(module, "cpu_replicas", None),
+        )
+
+    lazy = [
+        name or "<root>"
+        for name, m in module.named_modules()
+        if isinstance(m, _BatchNorm) and isinstance(m, LazyModuleMixin)
+    ]
+    if lazy:
+        warnings.warn(
+            f"convert_model leaves {len(lazy)} uninitialized LazyBatchNorm layer(s) unsynchronized: {lazy}; run one "
+            "forward pass (which makes them nn.BatchNorm*d), then convert",
+            stacklevel=2,
         )
 
     def build(layer: nn.Module, name: str, kind: str, entry: Any) -> nn.Module:
