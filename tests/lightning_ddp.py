@@ -1,13 +1,15 @@
 """Fits a small BatchNorm model for one step under Lightning's DDP on 2 CPU processes with SyncBatchNormPlugin.
 
-Run by tests/test_lightning.py as ``python tests/lightning_ddp.py OUT_DIR``: Lightning's ``strategy="ddp"`` starts
-rank 1 by re-running this command, so the Trainer must run from a script, not inside pytest. Each rank trains on its
+Run by tests/test_lightning.py as ``python tests/lightning_ddp.py OUT_DIR PACKAGE`` (``pytorch_lightning`` or
+``lightning.pytorch``): Lightning's ``strategy="ddp"`` starts rank 1 by re-running this command, so the Trainer must
+run from a script, not inside pytest. Each rank trains on its
 own rows of the global batch (``ROWS``, uneven) and writes ``OUT_DIR/rank{r}.pt``: the state_dict after fit, the
 layer classes seen in training and after fit, and the transports used.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from datetime import timedelta
 
@@ -16,14 +18,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-try:
-    import pytorch_lightning as pl
-    from pytorch_lightning.strategies import DDPStrategy
-except ImportError:
-    import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DDPStrategy
-
 from syncbn_dist.lightning import SyncBatchNormPlugin
+
+# The Lightning package the script runs: PACKAGE when run as a script; whichever imports when the test imports it.
+if __name__ == "__main__":
+    pl = importlib.import_module(sys.argv[2])
+else:
+    try:
+        import pytorch_lightning as pl
+    except ImportError:
+        import lightning.pytorch as pl
+DDPStrategy = importlib.import_module(f"{pl.__name__}.strategies").DDPStrategy
 
 ROWS = [3, 6]  # rows of the global batch on rank 0 and rank 1
 LR = 0.5
@@ -90,6 +95,7 @@ def main(out_dir: str) -> None:
         "seen": model.seen,
         "after_fit": [type(m).__name__ for m in model.net],
         "after_fit_types_are_torch": [type(m) in (nn.BatchNorm1d, nn.BatchNorm2d) for m in model.net[1::4]],
+        "trainer_module": type(trainer).__module__,
     }
     torch.save(result, f"{out_dir}/rank{trainer.global_rank}.pt")
 

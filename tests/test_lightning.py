@@ -1,8 +1,9 @@
 """Tests of syncbn_dist.lightning: SyncBatchNormPlugin under a real Lightning Trainer with strategy="ddp" on CPU.
 
 Lightning's DDP strategy starts the other ranks by re-running ``sys.argv``, so the Trainer runs in
-``tests/lightning_ddp.py``, started here as a subprocess (its own session, killed whole on timeout). Skipped, with
-the reason, when neither ``pytorch_lightning`` nor ``lightning`` imports (the dev extra installs pytorch-lightning).
+``tests/lightning_ddp.py``, started here as a subprocess (its own session, killed whole on timeout), once per
+installed package: ``pytorch_lightning`` and the unified ``lightning`` (``lightning.pytorch``), whose ``LayerSync``
+classes differ. Skipped, with the reason, when neither imports (the dev extra installs both).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import syncbn_dist
 
 HERE = Path(__file__).resolve().parent
 LIGHTNING = [name for name in ("pytorch_lightning", "lightning") if importlib.util.find_spec(name) is not None]
+# The Trainer packages: pytorch_lightning, and lightning.pytorch of the unified `lightning` package.
+TRAINER_PACKAGES = ["pytorch_lightning" if name == "pytorch_lightning" else "lightning.pytorch" for name in LIGHTNING]
 needs_lightning = pytest.mark.skipif(not LIGHTNING, reason="neither pytorch_lightning nor lightning is installed")
 
 
@@ -57,10 +60,9 @@ def test_plugin_is_a_layer_sync_of_each_installed_package() -> None:
     from syncbn_dist.lightning import SyncBatchNormPlugin
 
     plugin = SyncBatchNormPlugin()
-    for name in LIGHTNING:
-        package = "pytorch_lightning" if name == "pytorch_lightning" else "lightning.pytorch"
+    for package in TRAINER_PACKAGES:
         layer_sync = importlib.import_module(f"{package}.plugins").LayerSync
-        assert isinstance(plugin, layer_sync), name
+        assert isinstance(plugin, layer_sync), package
     model = nn.Sequential(nn.BatchNorm2d(3), nn.BatchNorm1d(2))
     assert plugin.apply(model) is model and type(model[0]) is syncbn_dist.SynchronizedBatchNorm2d
     assert plugin.revert(model) is model and type(model[0]) is nn.BatchNorm2d
@@ -78,13 +80,14 @@ def test_plugin_is_a_layer_sync_of_each_installed_package() -> None:
 @needs_lightning
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_trainer_ddp_on_cpu_gives_global_batch_statistics(tmp_path: Path) -> None:
+@pytest.mark.parametrize("package", TRAINER_PACKAGES)
+def test_trainer_ddp_on_cpu_gives_global_batch_statistics(tmp_path: Path, package: str) -> None:
     sys.path.insert(0, str(HERE))
     try:
         from lightning_ddp import LR, ROWS, build, global_batch, loss_of
     finally:
         sys.path.remove(str(HERE))
-    result = _run([str(HERE / "lightning_ddp.py"), str(tmp_path)], timeout=240)
+    result = _run([str(HERE / "lightning_ddp.py"), str(tmp_path), package], timeout=240)
     assert result.returncode == 0, result.stdout[-6000:]
 
     reference = build()  # nn.BatchNorm in one process on the global batch, one SGD step of the global mean loss
@@ -95,6 +98,7 @@ def test_trainer_ddp_on_cpu_gives_global_batch_statistics(tmp_path: Path) -> Non
             p -= LR * p.grad
     for rank in range(len(ROWS)):
         report = torch.load(tmp_path / f"rank{rank}.pt")
+        assert report["trainer_module"].startswith(f"{package}."), report["trainer_module"]
         assert report["seen"]["classes"][1::4] == ["SynchronizedBatchNorm2d", "SynchronizedBatchNorm1d"], rank
         assert report["seen"]["transports"][1::4] == ["distributed", "distributed"], rank
         assert report["after_fit"][1::4] == ["BatchNorm2d", "BatchNorm1d"] and all(report["after_fit_types_are_torch"])
