@@ -80,7 +80,12 @@ def _compiled_step_collectives(compiled: Any, rank: int, world_size: int) -> lis
     x, dy = _batch(rank, 0, STEPS[0][:world_size], channels_last=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         compiled(x.requires_grad_()).backward(dy)
-    return [(e.input_shapes[0], e.input_dtypes[0]) for e in prof.events() if e.name == "gloo:all_reduce"]
+    events = [e for e in prof.events() if e.name == "gloo:all_reduce"]
+    if events and not hasattr(events[0], "input_dtypes"):
+        # torch 2.11's FunctionEvent has no input_dtypes (2.13 has); its kineto events carry the same record.
+        kineto = prof.profiler.kineto_results.events()
+        return [(e.shapes()[0], e.dtypes()[0]) for e in kineto if e.name() == "gloo:all_reduce"]
+    return [(e.input_shapes[0], e.input_dtypes[0]) for e in events]
 
 
 def _worker_compiled_equals_eager(rank: int, world_size: int, backend: str, variants: Sequence[str]) -> dict:
