@@ -16,6 +16,10 @@ from .replicate import DataParallelWithCallback
 
 __all__ = ["convert_model", "revert_model"]
 
+# nn.Module's per-instance hook state (forward, pre-forward, backward and state_dict hooks, and their flags), read
+# from torch itself so that every version's set moves with a swapped layer: a hook is part of what a layer computes.
+_HOOK_STATE = tuple(name for name in vars(nn.Module()) if "hook" in name)
+
 # Set on every layer convert_model builds: (original class, the names of the original's instance attributes), so that
 # revert_model rebuilds that class with the same attributes and drops only what synchronization added.
 _SOURCE = "_syncbn_source"
@@ -31,10 +35,16 @@ _HOW_OUT = {
 
 
 def _rebuild(old: nn.Module, new_cls: type[nn.Module], **kwargs: Any) -> nn.Module:
-    """A ``new_cls`` layer that owns the very same parameter and buffer tensors and settings as ``old``."""
+    """A ``new_cls`` layer that owns the very same parameter and buffer tensors, settings and hooks as ``old``.
+
+    The hook dictionaries are ``old``'s own objects, so a handle from ``old.register_*_hook`` still removes its hook.
+    """
     new = new_cls(
         old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats, device="meta", **kwargs
     )
+    for name in _HOOK_STATE:
+        if name in old.__dict__:
+            new.__dict__[name] = old.__dict__[name]
     new._parameters = dict(old._parameters)
     new._buffers = dict(old._buffers)
     new._non_persistent_buffers_set = set(old._non_persistent_buffers_set)
@@ -164,8 +174,9 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, str
 
     The new layers own the same parameter and buffer tensors (values, requires_grad, device, dtype, and the
     optimizer's references survive), the same eps, momentum (None included), affine, track_running_stats, training
-    flag, qconfig and other instance attributes, and a family's child modules, so ``state_dict()`` keys are
-    unchanged. InstanceNorm and other relatives are left alone, and so is LazyBatchNorm until its first forward
+    flag, qconfig and other instance attributes, a family's child modules, so ``state_dict()`` keys are unchanged,
+    and the layer's forward, pre-forward, backward and state_dict hooks (the handles that registered them still
+    remove them). InstanceNorm and other relatives are left alone, and so is LazyBatchNorm until its first forward
     (with a ``UserWarning`` naming it: it would otherwise stay unsynchronized without a word). Mirrors
     ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``, which instead turns every subclass into a plain
     ``nn.SyncBatchNorm`` and so drops a norm+act layer's activation.

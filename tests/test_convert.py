@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from launch.common.spawn import run_distributed
 from syncbn_dist import (
@@ -272,6 +273,54 @@ def test_converted_model_equals_batchnorm_exactly() -> None:
     converted.eval()
     y = torch.randn(3, 2, 2, 2, 2)
     torch.testing.assert_close(converted(y), plain(y), rtol=0, atol=0)  # eval: the same running-stat kernel
+
+
+def _hooked_model(hooks: bool = True) -> tuple[nn.Sequential, list[RemovableHandle]]:
+    """A conv-BN network whose BatchNorm layer's hooks change its input, output, gradient and state_dict."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3), nn.ReLU()).double()
+    if not hooks:
+        return model, []
+    bn = model[1]
+    handles = [
+        bn.register_forward_pre_hook(lambda module, args: (args[0] + 1.5,)),
+        bn.register_forward_hook(lambda module, args, output: output * 2),
+        bn.register_full_backward_hook(lambda module, grad_input, grad_output: (grad_input[0] * 0.25,)),
+        bn.register_state_dict_post_hook(lambda module, state, prefix, local: state.update({prefix + "tag": 1})),
+    ]
+    return model, handles
+
+
+def _forward_backward(model: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    x = x.clone().requires_grad_()
+    out = model(x)
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape))
+    return out.detach(), x.grad
+
+
+def test_hooks_move_with_the_layer() -> None:
+    original, _ = _hooked_model()
+    model, handles = _hooked_model()
+    x = torch.randn(4, 2, 3, 3, dtype=torch.float64)
+    expected = _forward_backward(original, x)
+    convert_model(model)
+    assert type(model[1]) is SynchronizedBatchNorm2d
+    for got, want in zip(_forward_backward(model, x), expected):  # the local path: nn.BatchNorm's kernels
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert "1.tag" in model.state_dict()
+    revert_model(model)
+    assert type(model[1]) is nn.BatchNorm2d
+    for got, want in zip(_forward_backward(model, x), _forward_backward(original, x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # The handles taken on the original layer still remove its hooks after a convert/revert round trip.
+    convert_model(model)
+    for handle in handles:
+        handle.remove()
+    plain, _ = _hooked_model(hooks=False)
+    plain.load_state_dict(original.state_dict(), strict=False)  # the running statistics of the steps above
+    for got, want in zip(_forward_backward(model, x), _forward_backward(plain, x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert "1.tag" not in model.state_dict()
 
 
 def test_optimizer_built_before_convert_updates_converted_layers() -> None:
