@@ -117,16 +117,25 @@ def _swap(
     module: nn.Module, classify: Callable[[nn.Module], tuple[str, Any]], build: Callable[..., Optional[nn.Module]],
     strict: bool, verb: str,
 ) -> nn.Module:
-    """Classify every layer first (so a refusal leaves the model untouched), then swap; returns the new root."""
+    """Classify every layer first (so a refusal leaves the model untouched), then swap; returns the new root.
+
+    Every place a module is registered is visited (``named_children`` would skip a second slot of the same parent
+    holding the same layer), and a layer registered in several places becomes one new layer, shared the same way.
+    """
     unknown: list[str] = []
+    visited: set[int] = set()
 
     def visit(node: nn.Module, name: str) -> None:
+        if id(node) in visited:
+            return
+        visited.add(id(node))
         kind, detail = classify(node)
         if kind == "unknown":
             unknown.append(f"  '{name or '<root>'}' ({class_path(type(node))}): {detail}")
         elif kind == "other":
-            for child_name, child in node.named_children():
-                visit(child, f"{name}.{child_name}" if name else child_name)
+            for child_name, child in node._modules.items():
+                if child is not None:
+                    visit(child, f"{name}.{child_name}" if name else child_name)
 
     visit(module, "")
     if unknown:
@@ -139,17 +148,22 @@ def _swap(
             )
         warnings.warn(f"{verb}(strict=False) leaves {len(unknown)} layer(s) as they are:\n{listing}", stacklevel=3)
 
+    swapped: dict[int, nn.Module] = {}
+
     def swap(node: nn.Module, name: str) -> nn.Module:
+        if id(node) in swapped:
+            return swapped[id(node)]
         kind, detail = classify(node)
+        swapped[id(node)] = node  # a module that contains itself is walked once
         if kind == "other":
-            for child_name, child in node.named_children():
-                new_child = swap(child, f"{name}.{child_name}" if name else child_name)
-                if new_child is not child:
-                    node._modules[child_name] = new_child
-            return node
-        if kind == "unknown":
-            return node
-        return build(node, name, kind, detail)
+            for child_name, child in list(node._modules.items()):
+                if child is not None:
+                    new_child = swap(child, f"{name}.{child_name}" if name else child_name)
+                    if new_child is not child:
+                        node._modules[child_name] = new_child
+        elif kind != "unknown":
+            swapped[id(node)] = build(node, name, kind, detail)
+        return swapped[id(node)]
 
     return swap(module, "")
 
@@ -176,10 +190,12 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, str
     optimizer's references survive), the same eps, momentum (None included), affine, track_running_stats, training
     flag, qconfig and other instance attributes, a family's child modules, so ``state_dict()`` keys are unchanged,
     and the layer's forward, pre-forward, backward and state_dict hooks (the handles that registered them still
-    remove them). InstanceNorm and other relatives are left alone, and so is LazyBatchNorm until its first forward
-    (with a ``UserWarning`` naming it: it would otherwise stay unsynchronized without a word). Mirrors
+    remove them). A layer registered in several places becomes one synchronized layer, shared the same way.
+    InstanceNorm and other relatives are left alone, and so is LazyBatchNorm until its first forward (with a
+    ``UserWarning`` naming it: it would otherwise stay unsynchronized without a word). Mirrors
     ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``, which instead turns every subclass into a plain
-    ``nn.SyncBatchNorm`` and so drops a norm+act layer's activation.
+    ``nn.SyncBatchNorm`` (dropping a norm+act layer's activation), drops the layer's hooks, and leaves a second
+    slot of the same parent holding the same layer unconverted.
 
     Args:
         module: a model, a single BatchNorm layer, or an ``nn.DataParallel``.

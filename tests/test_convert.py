@@ -246,6 +246,60 @@ def test_convert_rejects_ddp() -> None:
     assert "convert the model first" in message
 
 
+SHARED_ROWS = [3, 5]  # rows of the global batch per rank (uneven)
+SHARED_LR = 0.1
+
+
+def _shared_layer_net() -> nn.Sequential:
+    """A network that applies one BatchNorm layer twice, in two slots of the same Sequential and in a nested one."""
+    torch.manual_seed(5)
+    bn = nn.BatchNorm2d(3)
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 1), bn, nn.ReLU(), nn.Sequential(nn.Conv2d(3, 3, 1), bn), bn, nn.Flatten(), nn.Linear(12, 2)
+    ).double()
+
+
+def _shared_layer_step(model: nn.Module, rows: slice, world_size: int) -> None:
+    """One SGD step on ``rows`` of the global batch; the loss is scaled so that DDP's average is the global mean."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(sum(SHARED_ROWS), 2, 2, 2, generator=gen, dtype=torch.float64) * 2 + 1
+    y = torch.randn(sum(SHARED_ROWS), 2, generator=gen, dtype=torch.float64)
+    loss = F.mse_loss(model(x[rows]), y[rows], reduction="sum") * world_size / sum(SHARED_ROWS)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= SHARED_LR * p.grad
+
+
+def test_a_layer_registered_twice_becomes_one_synchronized_layer() -> None:
+    # nn.Module.named_children yields a module once per parent, so the second slot of the same Sequential was left
+    # an unsynchronized nn.BatchNorm2d (torch's convert_sync_batchnorm does the same).
+    model = _shared_layer_net()
+    convert_model(model)
+    assert type(model[1]) is SynchronizedBatchNorm2d and model[1] is model[3][1] is model[4]
+    revert_model(model)
+    assert type(model[1]) is nn.BatchNorm2d and model[1] is model[3][1] is model[4]
+
+
+def _worker_shared_layer(rank: int, world_size: int) -> dict[str, Tensor]:
+    model = nn.parallel.DistributedDataParallel(convert_model(_shared_layer_net()))
+    _shared_layer_step(model, slice(sum(SHARED_ROWS[:rank]), sum(SHARED_ROWS[: rank + 1])), world_size)
+    assert model.module[4].last_transport == "distributed"
+    return {key: value.clone() for key, value in model.module.state_dict().items()}
+
+
+@pytest.mark.distributed
+def test_a_layer_registered_twice_trains_on_the_global_batch_under_ddp() -> None:
+    results = run_distributed(_worker_shared_layer, len(SHARED_ROWS), timeout=120)
+    reference = _shared_layer_net()  # nn.BatchNorm in one process on the global batch
+    _shared_layer_step(reference, slice(0, sum(SHARED_ROWS)), 1)
+    for rank, state in enumerate(results):
+        assert list(state) == list(reference.state_dict()), rank
+        for key, value in reference.state_dict().items():
+            # float64; per-rank partial sums merged by all_reduce: rounding only.
+            torch.testing.assert_close(state[key], value, rtol=1e-10, atol=1e-12, msg=f"rank {rank} {key}")
+
+
 def _cnn() -> nn.Module:
     return nn.Sequential(
         nn.Conv3d(2, 3, 1),
