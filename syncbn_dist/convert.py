@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.utils import parametrize
 
 from . import families  # noqa: F401 - registers the model zoos' classes
 from .batchnorm import SyncBatchNorm
@@ -51,13 +52,26 @@ def _rebuild(old: nn.Module, new_cls: type[nn.Module], **kwargs: Any) -> nn.Modu
     new.train(old.training)
     if hasattr(old, "qconfig"):
         new.qconfig = old.qconfig
+    if parametrize.is_parametrized(old):
+        # The same ParametrizationLists (their `original` tensors are the state), and the properties that compute
+        # the parametrized tensors from them, injected as torch.nn.utils.parametrize.register_parametrization does.
+        new._modules["parametrizations"] = old._modules["parametrizations"]
+        parametrize._inject_new_class(new)
+        for tensor_name in old._modules["parametrizations"]:
+            parametrize._inject_property(new, tensor_name)
     return new
+
+
+def _children(module: nn.Module) -> list[str]:
+    """The layer's child modules, but for the ParametrizationLists of torch.nn.utils.parametrize."""
+    parametrized = parametrize.is_parametrized(module)
+    return [name for name in module._modules if not (parametrized and name == "parametrizations")]
 
 
 def _unknown_reason(module: nn.Module, owner: Optional[type]) -> str:
     if owner is not None:
         return f"{class_path(owner)} defines its own forward"
-    return f"owns child modules {sorted(module._modules)} that nn.BatchNorm's forward does not use"
+    return f"owns child modules {sorted(_children(module))} that nn.BatchNorm's forward does not use"
 
 
 def _classify(module: nn.Module) -> tuple[str, Any]:
@@ -67,7 +81,7 @@ def _classify(module: nn.Module) -> tuple[str, Any]:
     if not isinstance(module, _BatchNorm) or isinstance(module, LazyModuleMixin):
         return "other", None  # LazyBatchNorm becomes nn.BatchNorm*d at its first forward: convert after that
     entry, owner = find_conversion(type(module))
-    if entry is None or (module._modules and not entry.moves_children):
+    if entry is None or (_children(module) and not entry.moves_children):
         return "unknown", _unknown_reason(module, owner)
     return "sync", entry
 
@@ -104,7 +118,7 @@ def _classify_synced(module: nn.Module) -> tuple[str, Any]:
     for base in type(module).__mro__:
         plain = dict(PLAIN_OF).get(base)
         if plain is not None:
-            if module._modules:
+            if _children(module):
                 return "unknown", _unknown_reason(module, None)
             return "plain", plain
         if "forward" in vars(base):
@@ -190,7 +204,8 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, str
     optimizer's references survive), the same eps, momentum (None included), affine, track_running_stats, training
     flag, qconfig and other instance attributes, a family's child modules, so ``state_dict()`` keys are unchanged,
     and the layer's forward, pre-forward, backward and state_dict hooks (the handles that registered them still
-    remove them). A layer registered in several places becomes one synchronized layer, shared the same way.
+    remove them), and its parametrizations (``torch.nn.utils.parametrize``; pruning's masks and hooks too). A layer
+    registered in several places becomes one synchronized layer, shared the same way.
     InstanceNorm and other relatives are left alone, and so is LazyBatchNorm until its first forward (with a
     ``UserWarning`` naming it: it would otherwise stay unsynchronized without a word). Mirrors
     ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``, which instead turns every subclass into a plain

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrize, prune
 from torch.utils.hooks import RemovableHandle
 
 from launch.common.spawn import run_distributed
@@ -375,6 +376,40 @@ def test_hooks_move_with_the_layer() -> None:
     for got, want in zip(_forward_backward(model, x), _forward_backward(plain, x)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert "1.tag" not in model.state_dict()
+
+
+class _PositiveScale(nn.Module):
+    def forward(self, weight: Tensor) -> Tensor:
+        return weight.abs() + 0.5
+
+
+def _reparametrized_net(how: str) -> nn.Sequential:
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3)).double()
+    if how == "parametrize":
+        parametrize.register_parametrization(model[1], "weight", _PositiveScale())
+    else:
+        prune.l1_unstructured(model[1], "weight", amount=0.5)  # weight_orig, weight_mask and a forward pre-hook
+    return model
+
+
+@pytest.mark.parametrize("how", ["parametrize", "prune"])
+def test_parametrized_and_pruned_layers_keep_their_function(how: str) -> None:
+    original, model = _reparametrized_net(how), _reparametrized_net(how)
+    original_class = type(model[1])
+    x = torch.randn(4, 2, 3, 3, dtype=torch.float64)
+    expected = _forward_backward(original, x)
+    convert_model(model)
+    assert isinstance(model[1], SynchronizedBatchNorm2d)
+    assert list(model.state_dict()) == list(original.state_dict())
+    for got, want in zip(_forward_backward(model, x), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for p, q in zip(model.parameters(), original.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    revert_model(model)
+    assert type(model[1]) is original_class
+    for got, want in zip(_forward_backward(model, x), _forward_backward(original, x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_optimizer_built_before_convert_updates_converted_layers() -> None:
