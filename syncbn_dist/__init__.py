@@ -15,6 +15,7 @@ from .convert import convert_model, revert_model
 from .registry import register_conversion
 from .replicate import DataParallelWithCallback, execute_replication_callbacks, patch_replication_callback
 from .running_stats import sync_running_stats
+from .torch_patch import is_torch_sync_batchnorm_patched, patch_torch_sync_batchnorm, unpatch_torch_sync_batchnorm
 
 try:
     # The installed distribution's version (pyproject.toml's, through the wheel's or the editable install's metadata).
@@ -34,12 +35,15 @@ __all__ = [
     "convert_model",
     "execute_replication_callbacks",
     "is_debug_enabled",
+    "is_torch_sync_batchnorm_patched",
     "new_sync_groups",
     "patch_replication_callback",
     "patch_sync_batchnorm",
+    "patch_torch_sync_batchnorm",
     "register_conversion",
     "revert_model",
     "set_debug",
     "set_sbn_eps_mode",
     "sync_running_stats",
+    "unpatch_torch_sync_batchnorm",
 ]

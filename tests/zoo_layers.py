@@ -3,8 +3,9 @@
 timm imports torchvision, whose registry wheel does not load with the CPU build of torch these tests run on, and
 mmengine and detectron2 are not dependencies. So the classes here reproduce what syncbn_dist.families must keep:
 
-- ``BatchNormAct2d`` and ``SyncBatchNormAct``: timm 1.0's ``timm/layers/norm_act.py``, with the constructor options
-  that change the forward (``apply_act``, ``act_layer``, ``act_kwargs``, ``inplace``, ``drop_layer``);
+- ``BatchNormAct2d``, ``SyncBatchNormAct`` and ``convert_sync_batchnorm``: timm 1.0's ``timm/layers/norm_act.py``,
+  with the constructor options that change the forward (``apply_act``, ``act_layer``, ``act_kwargs``, ``inplace``,
+  ``drop_layer``);
 - ``_BatchNormXd``: mmengine's ``mmengine/model/utils.py`` (``_BatchNorm`` without the input rank check);
 - ``NaiveSyncBatchNorm``: detectron2's ``detectron2/layers/batch_norm.py`` in one process (``stats_mode`` kept; the
   multi-process path, which these tests never run, raises).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -107,6 +109,49 @@ class SyncBatchNormAct(nn.SyncBatchNorm):
         if hasattr(self, "act"):
             x = self.act(x)
         return x
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.Module:
+    """timm 1.0's ``timm.layers.convert_sync_batchnorm`` (what ``train.py --sync-bn`` calls), line for line.
+
+    ``BatchNormAct2d`` becomes ``SyncBatchNormAct`` with the same ``act`` and ``drop``; any other ``_BatchNorm`` a plain
+    ``torch.nn.SyncBatchNorm``; tensors are shared, as timm's.
+    """
+    module_output = module
+    if isinstance(module, _BatchNorm):
+        if isinstance(module, BatchNormAct2d):
+            module_output = SyncBatchNormAct(
+                module.num_features,
+                module.eps,
+                module.momentum,
+                module.affine,
+                module.track_running_stats,
+                process_group=process_group,
+            )
+            module_output.act = module.act
+            module_output.drop = module.drop
+        else:
+            module_output = nn.SyncBatchNorm(
+                module.num_features,
+                module.eps,
+                module.momentum,
+                module.affine,
+                module.track_running_stats,
+                process_group,
+            )
+        if module.affine:
+            with torch.no_grad():
+                module_output.weight = module.weight
+                module_output.bias = module.bias
+        module_output.running_mean = module.running_mean
+        module_output.running_var = module.running_var
+        module_output.num_batches_tracked = module.num_batches_tracked
+        if hasattr(module, "qconfig"):
+            module_output.qconfig = module.qconfig
+    for name, child in module.named_children():
+        module_output.add_module(name, convert_sync_batchnorm(child, process_group))
+    del module
+    return module_output
 
 
 class _BatchNormXd(_BatchNorm):

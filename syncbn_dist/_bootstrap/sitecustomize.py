@@ -1,0 +1,42 @@
+"""Start-up hook of the processes a ``python -m syncbn_dist.run`` job starts: the patch, inherited.
+
+``python -m syncbn_dist.run`` puts this file's directory first on ``PYTHONPATH`` and sets ``SYNCBN_PATCH_TORCH=1``, so
+every Python process started from the job with that environment (Lightning's DDP launcher re-running the command,
+``torch.multiprocessing`` spawn, a subprocess) imports this module at start-up, before its main module, as the
+``sitecustomize`` of :mod:`site`. The same pattern as ``ddtrace-run`` and ``opentelemetry-instrument``. It first runs
+the ``sitecustomize`` it shadows, if the interpreter has one, then, if ``SYNCBN_PATCH_TORCH`` is ``1``, calls
+:func:`syncbn_dist.patch_torch_sync_batchnorm`. A failure is reported on stderr and the process goes on (as
+:mod:`site` does for a failing ``sitecustomize``).
+"""
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+
+def _run_shadowed() -> None:
+    """Run the ``sitecustomize`` that this directory's shadows (the next one on sys.path), as Python would have."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)
+
+
+def _patch() -> None:
+    if os.environ.get("SYNCBN_PATCH_TORCH") != "1":
+        return
+    import syncbn_dist
+
+    syncbn_dist.patch_torch_sync_batchnorm()
+
+
+for _step in (_run_shadowed, _patch):
+    try:
+        _step()
+    except Exception as _error:  # noqa: BLE001 - start-up goes on, as site does for sitecustomize
+        sys.stderr.write(f"syncbn_dist start-up hook ({_step.__name__}) failed: {type(_error).__name__}: {_error}\n")
