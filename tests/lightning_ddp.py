@@ -1,10 +1,12 @@
-"""Fits a small BatchNorm model for one step under Lightning's DDP on 2 CPU processes with SyncBatchNormPlugin.
+"""Fits a small BatchNorm model for one step under Lightning's DDP on 2 CPU processes with synchronized BatchNorm.
 
 Run by tests/test_lightning.py as ``python tests/lightning_ddp.py OUT_DIR PACKAGE`` (``pytorch_lightning`` or
-``lightning.pytorch``): Lightning's ``strategy="ddp"`` starts rank 1 by re-running this command, so the Trainer must
-run from a script, not inside pytest. Each rank trains on its
-own rows of the global batch (``ROWS``, uneven) and writes ``OUT_DIR/rank{r}.pt``: the state_dict after fit, the
-layer classes seen in training and after fit, and the transports used.
+``lightning.pytorch``), with ``SyncBatchNormPlugin``; and as ``python -m syncbn_dist.run tests/lightning_ddp.py
+OUT_DIR PACKAGE torch``, with Lightning's own ``sync_batchnorm=True`` (``torch.nn.SyncBatchNorm``, patched).
+Lightning's ``strategy="ddp"`` starts rank 1 by re-running the command (``python tests/lightning_ddp.py ...``), so
+the Trainer must run from a script, not inside pytest. Each rank trains on its own rows of the global batch
+(``ROWS``, uneven) and writes ``OUT_DIR/rank{r}.pt``: the state_dict after fit, the layer classes seen in training
+and after fit, the transports used, and the module of ``torch.nn.SyncBatchNorm.forward``.
 """
 
 from __future__ import annotations
@@ -74,13 +76,15 @@ class Model(pl.LightningModule):
         return DataLoader(TensorDataset(x[rows], y[rows]), batch_size=ROWS[self.global_rank])
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, sync: str = "plugin") -> None:
+    """``sync``: ``"plugin"`` (SyncBatchNormPlugin) or ``"torch"`` (``sync_batchnorm=True``, torch's class)."""
     model = Model()
+    layer_sync = dict(plugins=[SyncBatchNormPlugin()]) if sync == "plugin" else dict(sync_batchnorm=True)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60)),
-        plugins=[SyncBatchNormPlugin()],
+        **layer_sync,
         max_steps=1,
         use_distributed_sampler=False,
         logger=False,
@@ -96,9 +100,10 @@ def main(out_dir: str) -> None:
         "after_fit": [type(m).__name__ for m in model.net],
         "after_fit_types_are_torch": [type(m) in (nn.BatchNorm1d, nn.BatchNorm2d) for m in model.net[1::4]],
         "trainer_module": type(trainer).__module__,
+        "forward_module": nn.SyncBatchNorm.forward.__module__,
     }
     torch.save(result, f"{out_dir}/rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:2], *sys.argv[3:4])

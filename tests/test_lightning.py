@@ -1,4 +1,5 @@
-"""Tests of syncbn_dist.lightning: SyncBatchNormPlugin under a real Lightning Trainer with strategy="ddp" on CPU.
+"""Tests of syncbn_dist.lightning: SyncBatchNormPlugin under a real Lightning Trainer with strategy="ddp" on CPU; and
+Lightning's own ``sync_batchnorm=True`` (torch.nn.SyncBatchNorm) under ``python -m syncbn_dist.run``.
 
 Lightning's DDP strategy starts the other ranks by re-running ``sys.argv``, so the Trainer runs in
 ``tests/lightning_ddp.py``, started here as a subprocess (its own session, killed whole on timeout), once per
@@ -81,13 +82,18 @@ def test_plugin_is_a_layer_sync_of_each_installed_package() -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("package", TRAINER_PACKAGES)
-def test_trainer_ddp_on_cpu_gives_global_batch_statistics(tmp_path: Path, package: str) -> None:
+@pytest.mark.parametrize("sync", ["plugin", "torch"])
+def test_trainer_ddp_on_cpu_gives_global_batch_statistics(tmp_path: Path, package: str, sync: str) -> None:
+    """``plugin``: ``plugins=[SyncBatchNormPlugin()]``. ``torch``: ``sync_batchnorm=True`` under ``python -m
+    syncbn_dist.run``, whose patch rank 1 (started by Lightning re-running the command) must inherit."""
     sys.path.insert(0, str(HERE))
     try:
         from lightning_ddp import LR, ROWS, build, global_batch, loss_of
     finally:
         sys.path.remove(str(HERE))
-    result = _run([str(HERE / "lightning_ddp.py"), str(tmp_path), package], timeout=240)
+    script = [str(HERE / "lightning_ddp.py"), str(tmp_path), package]
+    command = script if sync == "plugin" else ["-m", "syncbn_dist.run", *script, "torch"]
+    result = _run(command, timeout=240)
     assert result.returncode == 0, result.stdout[-6000:]
 
     reference = build()  # nn.BatchNorm in one process on the global batch, one SGD step of the global mean loss
@@ -99,9 +105,15 @@ def test_trainer_ddp_on_cpu_gives_global_batch_statistics(tmp_path: Path, packag
     for rank in range(len(ROWS)):
         report = torch.load(tmp_path / f"rank{rank}.pt")
         assert report["trainer_module"].startswith(f"{package}."), report["trainer_module"]
-        assert report["seen"]["classes"][1::4] == ["SynchronizedBatchNorm2d", "SynchronizedBatchNorm1d"], rank
         assert report["seen"]["transports"][1::4] == ["distributed", "distributed"], rank
-        assert report["after_fit"][1::4] == ["BatchNorm2d", "BatchNorm1d"] and all(report["after_fit_types_are_torch"])
+        if sync == "plugin":
+            assert report["seen"]["classes"][1::4] == ["SynchronizedBatchNorm2d", "SynchronizedBatchNorm1d"], rank
+            assert report["after_fit"][1::4] == ["BatchNorm2d", "BatchNorm1d"]
+            assert all(report["after_fit_types_are_torch"])
+        else:
+            assert report["forward_module"] == "syncbn_dist.torch_patch", rank
+            assert report["seen"]["classes"][1::4] == ["SyncBatchNorm", "SyncBatchNorm"], rank
+            assert report["after_fit"][1::4] == ["_BatchNormXd", "_BatchNormXd"]  # Lightning's revert
         for key, value in reference.state_dict().items():
             # float64; the global sums are merged from two ranks' partial sums: rounding only.
             torch.testing.assert_close(report["state"][key], value, rtol=1e-10, atol=1e-12, msg=f"rank {rank} {key}")

@@ -1,0 +1,64 @@
+"""A plain training step with ``torch.nn.SyncBatchNorm`` under DDP on CPU, the way users write it: no syncbn_dist.
+
+Run by tests/test_run.py as ``torchrun --standalone --nproc_per_node=2 -m syncbn_dist.run tests/plain_syncbn_ddp.py
+OUT_DIR``. Without syncbn_dist.run, DDP refuses the CPU module ("SyncBatchNorm layers only work with GPU modules").
+Each rank takes its rows of the global batch (``ROWS``, uneven), runs one forward/backward and SGD step, and writes
+``OUT_DIR/rank{r}.pt``: its output rows, input gradient, parameter gradients and the state_dict after the step.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+ROWS = (3, 5)
+LR = 0.5
+
+
+def build() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(16, 5), nn.BatchNorm1d(5)
+    ).double()
+
+
+def global_batch() -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(sum(ROWS), 3, 2, 2, generator=gen, dtype=torch.float64) * 2 + 1
+    return x, torch.randn(sum(ROWS), 5, generator=gen, dtype=torch.float64)
+
+
+def main(out_dir: str) -> int:
+    dist.init_process_group("gloo")
+    try:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(build())
+        ddp = nn.parallel.DistributedDataParallel(model)
+        x, weights = global_batch()
+        rows = slice(sum(ROWS[:rank]), sum(ROWS[: rank + 1]))
+        x_rank = x[rows].clone().requires_grad_()
+        out = ddp(x_rank)
+        (out * weights[rows]).sum().mul(world_size).backward()  # DDP averages: the global sum's gradients
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+        report = {
+            "out": out.detach(),
+            "x_grad": x_rank.grad / world_size,
+            "grads": grads,
+            "state": model.state_dict(),
+            "classes": [type(m).__name__ for m in model],
+            "forward_module": nn.SyncBatchNorm.forward.__module__,
+        }
+        torch.save(report, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
