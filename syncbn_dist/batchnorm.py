@@ -73,6 +73,9 @@ class _SoloTransport:
     def sum_(self, tensor: Tensor) -> Tensor:
         return tensor
 
+    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        return list(tensors)
+
     def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None:
         return None
 
@@ -274,7 +277,8 @@ class SyncBatchNorm(_BatchNorm):
         """
         key = f"num_features={self.num_features} dtype={input.dtype}"
         if torch.compiler.is_compiling():
-            verify_agreement_while_tracing(transport.process_group, key, self._describe(), id(self))
+            if transport is not _SOLO:  # a group of one ("clip" with no peers) has nobody to agree with
+                verify_agreement_while_tracing(transport.process_group, key, self._describe(), id(self))
         else:
             transport.verify_agreement(key, self._describe(), self._verified_groups)
         # DataParallel slaves leave the buffers to the master, whose buffers are the original module's.

@@ -13,7 +13,13 @@ Two autograd shapes share that math:
   (``torch.distributed``): forward and backward each run one collective. It is what ``torch.compile`` traces.
 - ``_LocalPayload`` -> ``transport.all_reduce`` -> ``_Normalize``, for transports whose sum is itself
   differentiable (the DataParallel exchange, whose replicas' backward runs in one autograd thread where no
-  exchange could happen): the gradient of the global payload carries the global reductions back.
+  exchange could happen): each Function has the true vector-Jacobian product of its forward, so the gradient of
+  the global payload, summed by the exchange, carries the cross-replica terms back.
+
+Higher-order derivatives are exact on both shapes: under ``backward(create_graph=True)`` each backward records
+autograd's own gradients of the forward written in plain ops (over a process group with the transport's
+differentiable ``all_reduce``), so they can be differentiated again; forward-mode AD has ``jvp``s with the global
+tangent statistics. docs/design.md, "Higher-order derivatives", has the math.
 
 The statistics are taken from a float64 copy of the activation by the native statistics kernel: one pass that
 is exact at any |mean|/std (the sums of a float32 shard in float64 carry no cancellation at the 1e4 ratios the
@@ -28,7 +34,7 @@ from typing import Any, Optional, Protocol, Sequence, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd import Function
+from torch.autograd import Function, forward_ad
 
 __all__ = [
     "Transport",
@@ -327,37 +333,47 @@ def _values_per_channel(input: Tensor) -> int:
 class _SyncBatchNormFunction(Function):
     """input -> output with global statistics, one collective per direction (the ``sum_`` transports).
 
-    Forward returns the output and the (3, C) ``[mean, var, unbiased var]`` in the statistics dtype (for the
-    running statistics, non-differentiable). Weight and bias gradients are the local sums: DistributedDataParallel
-    averages parameter gradients over ranks, as with ``torch.nn.SyncBatchNorm``.
+    Forward returns the output, then the statistics in the statistics dtype, all non-differentiable: the mean and
+    the unbiased variance (for the running statistics), the normalizing variance and the (1,) float64 global count
+    (for backward). Weight and bias gradients are the local sums: DistributedDataParallel averages parameter
+    gradients over ranks, as with ``torch.nn.SyncBatchNorm``. Written with ``setup_context``, so that the
+    ``torch.func`` transforms (``jvp``, ``grad``, ``vjp``) can run it.
     """
 
     @staticmethod
     def forward(
-        ctx: Any,
         input: Tensor,
         weight: Optional[Tensor],
         bias: Optional[Tensor],
         eps: float,
         eps_mode: str,
         transport: Any,
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         total = transport.sum_(local_payload(input))
         _checked_count(total, input)
         stats, count = global_statistics(total)
         mean, var, unbiased_var = stats.to(_stat_dtype(input)).unbind()
-        ctx.clipped = None if eps_mode == "plus" else var < eps
         var = _normalizing_var(var, eps, eps_mode)
-        ctx.eps, ctx.transport = eps, transport
-        ctx.save_for_backward(input, weight, mean, var, count)
-        ctx.mark_non_differentiable(mean, unbiased_var)
-        ctx.set_materialize_grads(False)
         output = _batch_norm_inference(input, _as_stat(weight, mean), _as_stat(bias, mean), mean, var, eps)
-        return output, mean, unbiased_var
+        return output, mean, unbiased_var, var, count
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor, _grad_mean: None, _grad_var: None) -> tuple[Any, ...]:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        input, weight, _, eps, eps_mode, transport = inputs
+        _, mean, unbiased_var, var, count = output
+        ctx.eps, ctx.eps_mode, ctx.transport = eps, eps_mode, transport
+        # "clip": a channel whose variance was below eps normalizes by eps, eps - eps = 0 as the kernels see it.
+        ctx.clipped = None if eps_mode == "plus" else var == 0.0
+        ctx.save_for_backward(input, weight, mean, var, count)
+        ctx.save_for_forward(input, weight, mean, var, count)
+        ctx.mark_non_differentiable(mean, unbiased_var, var, count)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor, *_: None) -> tuple[Any, ...]:
         input, weight, mean, var, count = ctx.saved_tensors
+        if torch.is_grad_enabled():  # backward(create_graph=True): record a graph that can be differentiated again
+            return (*_recorded_backward(ctx, grad_output, input, weight, mean, count), None, None, None)
         grad_output = _like_input(grad_output, input)
         sum_dy, sum_dy_xhat = _local_reductions(grad_output, input, weight, mean, var, ctx.eps)
         # One collective of 2C float64 values; weight and bias keep the local sums (DDP averages them).
@@ -370,63 +386,172 @@ class _SyncBatchNormFunction(Function):
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
-class _BackwardLink:
-    """Global per-channel statistics that ``_Normalize``'s caller fills after the forward collective and
-    ``_LocalPayload.backward`` reads (they are known only after ``_LocalPayload.forward`` ran)."""
+class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
+    """:class:`_SyncBatchNormFunction` with forward-mode AD, for ``torch.autograd.forward_ad`` and ``torch.func``.
 
-    __slots__ = ("count", "mean", "var", "weight", "eps", "clipped")
-
-    def __init__(self) -> None:
-        self.count: Optional[Tensor] = None
-        self.mean: Optional[Tensor] = None
-        self.var: Optional[Tensor] = None
-        self.weight: Optional[Tensor] = None
-        self.eps = 0.0
-        self.clipped: Optional[Tensor] = None
-
-
-class _LocalPayload(Function):
-    """input -> (payload, alias of input). Backward produces the exact global ``grad_input``.
-
-    In backward ``grad_payload`` holds the global ``[sum(dy), sum(dy * x_hat), 0]`` (summed by the transport's
-    backward) and ``grad_alias`` holds ``dy`` passed through by ``_Normalize``.
+    A class of its own because ``torch.compile`` (Dynamo) refuses to trace a Function that defines ``jvp``: the
+    layer takes it only when a forward-AD level or a ``torch.func`` transform is active (:func:`_forward_ad_active`).
     """
 
     @staticmethod
-    def forward(ctx: Any, input: Tensor, link: _BackwardLink) -> tuple[Tensor, Tensor]:
-        ctx.save_for_backward(input)
-        ctx.link = link
+    def jvp(ctx: Any, input_tangent: Optional[Tensor], weight_tangent: Optional[Tensor],
+            bias_tangent: Optional[Tensor], *_: Any) -> tuple[Optional[Tensor], None, None, None, None]:
+        """Forward-mode AD: the output's tangent over the global batch, with one collective of 2C float64 values.
+
+        The Jacobian of the output in the input is ``weight * invstd * (I - 1 1^T / N - x_hat x_hat^T / N)`` per
+        channel, which is symmetric: the tangent of ``dx`` is the backward's ``grad_input`` of ``dy = dx``, from the
+        global ``[sum(dx), sum(dx * x_hat)]``. The weight and bias tangents add ``dw * x_hat + db``.
+        """
+        input, weight, mean, var, count = ctx.saved_tensors
+        tangent = None
+        if input_tangent is not None:
+            input_tangent = _like_input(input_tangent, input)
+            sums = _local_reductions(input_tangent, input, None, mean, var, ctx.eps)
+            reductions = ctx.transport.sum_(torch.cat(sums).to(_COMBINE_DTYPE))
+            tangent = _grad_input(input_tangent, input, weight, mean, var, count, reductions, ctx.eps, ctx.clipped)
+        if weight_tangent is not None or bias_tangent is not None:
+            affine = _batch_norm_inference(
+                input,
+                torch.zeros_like(mean) if weight_tangent is None else weight_tangent.to(mean.dtype),
+                None if bias_tangent is None else bias_tangent.to(mean.dtype),
+                mean, var, ctx.eps,
+            )
+            tangent = affine if tangent is None else tangent + affine
+        return tangent, None, None, None, None
+
+
+def _forward_ad_active() -> bool:
+    """Whether a ``torch.autograd.forward_ad.dual_level`` or a ``torch.func`` transform is active (eager only)."""
+    return not torch.compiler.is_compiling() and (
+        forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None
+    )
+
+
+def _recorded_backward(
+    ctx: Any, grad_output: Tensor, input: Tensor, weight: Optional[Tensor], mean: Tensor, count: Tensor
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """``_SyncBatchNormFunction``'s backward as a graph autograd records, for ``backward(create_graph=True)``.
+
+    The gradients are autograd's own of :func:`_differentiable_normalize`, the forward in plain differentiable ops
+    whose sum over the members is the transport's differentiable ``all_reduce``. So the recorded graph reaches every
+    member's input: differentiating it again runs the adjoint of that all_reduce (another sum all_reduce) and gives
+    the second derivatives of nn.BatchNorm on the global batch. Two collectives of 2C float64 values (the statistics
+    again, and their adjoint), in this backward only; ``create_graph=False`` never comes here.
+    """
+    needs = ctx.needs_input_grad
+    grads: list[Optional[Tensor]] = [None, None, None]
+    wrt = [t for t, need in zip((input, weight), needs[:2]) if need]
+    if wrt:
+        output = _differentiable_normalize(input, weight, mean, count, ctx.eps, ctx.eps_mode, ctx.transport)
+        found = iter(torch.autograd.grad(output, wrt, grad_output.to(output.dtype), create_graph=True))
+        grads[:2] = [next(found) if need else None for need in needs[:2]]
+    if needs[2]:
+        grads[2] = grad_output.sum(_reduced_dims(input)).to(mean.dtype if weight is None else weight.dtype)
+    return grads[0], grads[1], grads[2]
+
+
+def _differentiable_normalize(
+    input: Tensor, weight: Optional[Tensor], shift: Tensor, count: Tensor, eps: float, eps_mode: str, transport: Any
+) -> Tensor:
+    """``(x - mean) / sqrt(var + eps) * weight`` over the global batch in plain float64 ops (no bias: it adds a
+    constant), with the statistics summed over the members by ``transport.all_reduce``.
+
+    The sums are taken about ``shift``, the global mean the forward found (a constant here): they are small, so the
+    variance carries no cancellation, and the result does not depend on the shift.
+    """
+    shape = _channel_shape(input)
+    centred = input.to(_COMBINE_DTYPE) - shift.to(_COMBINE_DTYPE).view(shape)
+    dims = _reduced_dims(input)
+    (total,) = transport.all_reduce([torch.cat([centred.sum(dims), centred.square().sum(dims)])])
+    offset, second = (total / count).chunk(2)
+    var = _normalizing_var(second - offset.square(), eps, eps_mode)
+    output = (centred - offset.view(shape)) * torch.rsqrt(var + eps).view(shape)
+    return output if weight is None else output * weight.to(_COMBINE_DTYPE).view(shape)
+
+
+def _reduced_dims(input: Tensor) -> list[int]:
+    """The dimensions a per-channel statistic reduces over: all but dim 1."""
+    return [0, *range(2, input.dim())]
+
+
+def _channel_shape(input: Tensor) -> list[int]:
+    """The shape that broadcasts a (C,) tensor over ``input``: (1, C, 1, ...)."""
+    return [1, -1] + [1] * (input.dim() - 2)
+
+
+class _BackwardLink:
+    """The global statistics, filled by the caller after the exchange and read by ``_LocalPayload.backward`` (they
+    are known only after ``_LocalPayload.forward`` ran)."""
+
+    __slots__ = ("mean", "var", "eps")
+
+    def __init__(self) -> None:
+        self.mean: Optional[Tensor] = None
+        self.var: Optional[Tensor] = None
+        self.eps = 0.0
+
+
+class _LocalPayload(Function):
+    """input -> (:func:`local_payload`, alias of input), with its exact vector-Jacobian product.
+
+    The payload is ``[sum(x), sum(x**2), count]`` per channel, so ``grad_input = grad_alias + g_sum + 2 x g_sumsq``.
+    That is evaluated as ``grad_alias + 2 (x - mean) g_sumsq + (g_sum + 2 mean g_sumsq)`` about the global mean
+    (the same value without the cancellation of a large mean), by one native inference batch norm. Being the true
+    product at every order, it can be differentiated again (double backward).
+    """
+
+    @staticmethod
+    def forward(input: Tensor, link: _BackwardLink) -> tuple[Tensor, Tensor]:
         return local_payload(input), input.view_as(input)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, _BackwardLink], output: tuple[Tensor, Tensor]) -> None:
+        ctx.link = inputs[1]
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def jvp(ctx: Any, input_tangent: Optional[Tensor], _: None) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """The payload's tangent ``[sum(dx), 2 sum(x dx), 0]`` in float64, and ``dx`` for the alias."""
+        if input_tangent is None:
+            return None, None
+        (input,) = ctx.saved_tensors
+        dims = _reduced_dims(input)
+        tangent = input_tangent.to(_COMBINE_DTYPE)
+        sums = torch.cat([tangent.sum(dims), 2.0 * (input.to(_COMBINE_DTYPE) * tangent).sum(dims)])
+        return F.pad(sums, (0, 1)), input_tangent.view_as(input_tangent)
 
     @staticmethod
     def backward(ctx: Any, grad_payload: Tensor, grad_alias: Tensor) -> tuple[Any, ...]:
         (input,) = ctx.saved_tensors
+        grad_sum, grad_sumsq, _ = grad_payload.split([input.size(1), input.size(1), 1])
+        shape = _channel_shape(input)
+        if torch.is_grad_enabled():  # backward(create_graph=True): the same product, in recorded ops
+            through_payload = grad_sum.view(shape) + 2.0 * input.to(_COMBINE_DTYPE) * grad_sumsq.view(shape)
+            return grad_alias + through_payload.to(grad_alias.dtype), None
+        if input.numel() == 0:
+            return grad_alias, None
         link: _BackwardLink = ctx.link
-        grad_input = _grad_input(
-            _like_input(grad_alias, input),
-            input,
-            link.weight,
-            link.mean,
-            link.var,
-            link.count,
-            grad_payload[:-1],
-            link.eps,
-            link.clipped,
-        )
-        return grad_input, None
+        mean, var = link.mean, link.var
+        # (x - mean) * rsqrt(var + eps) * W + B with W = 2 g_sumsq sqrt(var + eps) and B = g_sum + 2 mean g_sumsq.
+        weight = (2.0 * grad_sumsq * torch.sqrt(var.to(_COMBINE_DTYPE) + link.eps)).to(mean.dtype)
+        bias = torch.addcmul(grad_sum, mean.to(_COMBINE_DTYPE), grad_sumsq, value=2.0).to(mean.dtype)
+        return _batch_norm_inference(input, weight, bias, mean, var, link.eps).add_(grad_alias), None
 
 
 class _Normalize(Function):
-    """(alias of input, weight, bias, global payload) -> output, normalized with the global statistics.
+    """(alias of input, weight, bias, global payload) -> output normalized with the statistics of the payload, with
+    its exact vector-Jacobian product.
 
-    ``total`` is an input only so that backward can send the local ``[sum(dy), sum(dy * x_hat)]`` through the
-    transport's differentiable all_reduce; ``dy`` itself goes to ``_LocalPayload`` through the alias. Weight and
-    bias gradients are the local sums (DataParallel sums the replicas' gradients).
+    The statistics arrive as ``mean`` and ``var`` (computed from ``total`` without grad), but the output is a
+    function of ``total``: ``mean = S / N`` and ``var = Q / N - mean**2``, so backward sends ``total`` the gradient
+    ``[g_S, g_Q, 0]`` of those, from this member's ``sum(dy)`` and ``sum(dy * x_hat)``. The transport's
+    differentiable exchange sums it over the members, and ``_LocalPayload`` turns it into the global-batch
+    ``grad_input``. Weight and bias gradients are the local sums (DataParallel sums the replicas' gradients).
     """
 
     @staticmethod
     def forward(
-        ctx: Any,
         input: Tensor,
         weight: Optional[Tensor],
         bias: Optional[Tensor],
@@ -434,23 +559,133 @@ class _Normalize(Function):
         mean: Tensor,
         var: Tensor,
         eps: float,
+        clipped: Optional[Tensor],
     ) -> Tensor:
-        ctx.eps = eps
-        ctx.param_dtype = mean.dtype if weight is None else weight.dtype
-        ctx.save_for_backward(input, weight, mean, var)
         return _batch_norm_inference(input, _as_stat(weight, mean), _as_stat(bias, mean), mean, var, eps)
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        input, weight, bias, total, mean, var, eps, clipped = inputs
+        ctx.eps, ctx.clipped = eps, clipped
+        ctx.param_dtype = mean.dtype if weight is None else weight.dtype
+        ctx.save_for_backward(input, weight, bias, total, mean, var)
+        ctx.save_for_forward(input, weight, total, mean, var)
+
+    @staticmethod
+    def jvp(
+        ctx: Any,
+        input_tangent: Optional[Tensor],
+        weight_tangent: Optional[Tensor],
+        bias_tangent: Optional[Tensor],
+        total_tangent: Optional[Tensor],
+        *_: None,
+    ) -> Optional[Tensor]:
+        """``dx * weight * invstd + x_hat * (dw + weight * dinvstd / invstd) + db - weight * invstd * dmean``, with
+        ``dmean = dS / N`` and ``dvar = dQ / N - 2 mean dmean`` from the payload's tangent (the exchange summed it)."""
+        input, weight, total, mean, var = ctx.saved_tensors
+        invstd = torch.rsqrt(var.to(_COMBINE_DTYPE) + ctx.eps)
+        scale = invstd if weight is None else invstd * weight.to(_COMBINE_DTYPE)
+        coefficient = torch.zeros_like(invstd) if weight_tangent is None else weight_tangent.to(_COMBINE_DTYPE)
+        shift = torch.zeros_like(invstd) if bias_tangent is None else bias_tangent.to(_COMBINE_DTYPE)
+        if total_tangent is not None:
+            num_features = input.size(1)
+            sums, squares, _ = (total_tangent / total[-1:]).split([num_features, num_features, 1])
+            mean_tangent = sums
+            var_tangent = torch.addcmul(squares, mean.to(_COMBINE_DTYPE), sums, value=-2.0)
+            if ctx.clipped is not None:
+                var_tangent = var_tangent.masked_fill(ctx.clipped, 0.0)
+            coefficient = coefficient - 0.5 * scale * invstd * var_tangent
+            shift = shift - scale * mean_tangent
+        tangent = _batch_norm_inference(input, coefficient.to(mean.dtype), shift.to(mean.dtype), mean, var, ctx.eps)
+        if input_tangent is not None:
+            tangent = tangent + input_tangent * scale.to(mean.dtype).view(_channel_shape(input))
+        return tangent.to(input.dtype)
+
+    @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Any, ...]:
-        input, weight, mean, var = ctx.saved_tensors
+        input, weight, bias, total, mean, var = ctx.saved_tensors
+        if torch.is_grad_enabled():  # backward(create_graph=True): autograd's product of the forward in plain ops
+            grads = _recorded_normalize_backward(ctx, grad_output, input, weight, bias, total, mean, var)
+            return (*grads, None, None, None, None)
         grad_output = _like_input(grad_output, input)
-        sum_dy, sum_dy_xhat = _local_reductions(grad_output, input, weight, mean, var, ctx.eps)
+        eps = ctx.eps
+        scaled, sum_dy, sum_dy_xhat = _scaled_grad_and_reductions(grad_output, input, weight, mean, var, eps)
         grad_weight = sum_dy_xhat.to(ctx.param_dtype) if ctx.needs_input_grad[1] else None
         grad_bias = sum_dy.to(ctx.param_dtype) if ctx.needs_input_grad[2] else None
         grad_total = None
         if ctx.needs_input_grad[3]:
-            grad_total = F.pad(torch.cat([sum_dy, sum_dy_xhat]).to(_COMBINE_DTYPE), (0, 1))
-        return grad_output, grad_weight, grad_bias, grad_total, None, None, None
+            # dL/dmean = -weight invstd sum(dy); dL/dvar = -weight invstd**2 sum(dy x_hat) / 2 (0 where clipped).
+            invstd = torch.rsqrt(var.to(_COMBINE_DTYPE) + eps)
+            scale = invstd if weight is None else invstd * weight.to(_COMBINE_DTYPE)
+            grad_mean = -scale * sum_dy.to(_COMBINE_DTYPE)
+            grad_var = (-0.5 * scale * invstd) * sum_dy_xhat.to(_COMBINE_DTYPE)
+            if ctx.clipped is not None:  # a clipped channel normalizes by eps, whatever its variance
+                grad_var = grad_var.masked_fill(ctx.clipped, 0.0)
+            count = total[-1:]
+            grad_sum = torch.addcmul(grad_mean, mean.to(_COMBINE_DTYPE), grad_var, value=-2.0) / count
+            grad_total = F.pad(torch.cat([grad_sum, grad_var / count]), (0, 1))
+        return scaled, grad_weight, grad_bias, grad_total, None, None, None, None
+
+
+def _recorded_normalize_backward(
+    ctx: Any,
+    grad_output: Tensor,
+    input: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    total: Tensor,
+    mean: Tensor,
+    var: Tensor,
+) -> list[Optional[Tensor]]:
+    """``_Normalize``'s gradients as autograd's own of its forward written in plain ops of ``total``, recorded.
+
+    The statistics take their values from the forward's (exact) ``mean`` and ``var`` and their derivatives from
+    ``S / N`` and ``Q / N - (S / N)**2``: ``c + (f - f.detach())`` has the value ``c`` and every derivative of ``f``
+    (none on a clipped channel, which normalizes by eps).
+    """
+    with torch.enable_grad():
+        num_features = input.size(1)
+        sums, squares, count = total.split([num_features, num_features, 1])
+        batch_mean = sums / count
+        var_change = squares / count - batch_mean.square()
+        var_change = var_change - var_change.detach()
+        if ctx.clipped is not None:
+            var_change = var_change.masked_fill(ctx.clipped, 0.0)
+        exact_mean = mean.to(_COMBINE_DTYPE) + (batch_mean - batch_mean.detach())
+        invstd = torch.rsqrt(var.to(_COMBINE_DTYPE) + var_change + ctx.eps)
+        shape = _channel_shape(input)
+        output = (input.to(_COMBINE_DTYPE) - exact_mean.view(shape)) * invstd.view(shape)
+        if weight is not None:
+            output = output * weight.to(_COMBINE_DTYPE).view(shape)
+        if bias is not None:
+            output = output + bias.to(_COMBINE_DTYPE).view(shape)
+        candidates = (input, weight, bias, total)
+        wrt = [t for t, need in zip(candidates, ctx.needs_input_grad[:4]) if need]
+        found = iter(torch.autograd.grad(output, wrt, grad_output.to(output.dtype), create_graph=True))
+    return [next(found) if need else None for need in ctx.needs_input_grad[:4]]
+
+
+def _scaled_grad_and_reductions(
+    grad_output: Tensor, input: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``weight * invstd * dy`` in the input's dtype and memory format, with this shard's ``sum(dy)`` and
+    ``sum(dy * x_hat)`` (each (C,) in the statistics dtype): the native inference-mode backward."""
+    if input.numel() == 0:
+        sum_dy, sum_dy_xhat = _local_reductions(grad_output, input, weight, mean, var, eps)
+        return torch.empty_like(grad_output), sum_dy, sum_dy_xhat
+    if input.is_cuda:  # the CUDA kernels of torch.nn.SyncBatchNorm, with zero corrections for the scaled dy
+        sum_dy, sum_dy_xhat = _local_reductions(grad_output, input, weight, mean, var, eps)
+        zeros = torch.zeros_like(mean)
+        scaled = torch.batch_norm_backward_elemt(
+            grad_output, input, mean, torch.rsqrt(var + eps), _as_stat(weight, mean), zeros, zeros,
+            torch.ones(1, dtype=torch.int32, device=input.device),
+        )
+        return scaled, sum_dy, sum_dy_xhat
+    weight = torch.ones_like(mean) if weight is None else weight.to(mean.dtype)
+    scaled, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        grad_output, input, weight, mean, var, None, None, False, eps, [True, True, True]
+    )
+    return scaled, sum_dy, sum_dy_xhat
 
 
 def _batch_norm_inference(
@@ -521,7 +756,8 @@ def sync_batch_norm(
         ValueError: if the global count per channel is 1 (raised on every member, which all see that count).
     """
     if hasattr(transport, "sum_"):
-        output, mean, unbiased_var = _SyncBatchNormFunction.apply(input, weight, bias, eps, eps_mode, transport)
+        function = _SyncBatchNormForwardAD if _forward_ad_active() else _SyncBatchNormFunction
+        output, mean, unbiased_var, _, _ = function.apply(input, weight, bias, eps, eps_mode, transport)
     else:
         output, mean, unbiased_var = _sync_batch_norm_differentiable(input, weight, bias, eps, eps_mode, transport)
     if running_mean is not None and running_var is not None:
@@ -551,11 +787,10 @@ def _sync_batch_norm_differentiable(
     (total,) = transport.all_reduce([payload])
     _checked_count(total.detach(), input)
     with torch.no_grad():
-        stats, count = global_statistics(total)
+        stats, _ = global_statistics(total)
         mean, var, unbiased_var = stats.to(_stat_dtype(input)).unbind()
-        link.clipped = None if eps_mode == "plus" else var < eps
+        clipped = None if eps_mode == "plus" else var < eps
         var = _normalizing_var(var, eps, eps_mode)
-        link.count, link.mean, link.var, link.eps = count, mean, var, eps
-        link.weight = None if weight is None else weight.detach()
-    output = _Normalize.apply(alias, weight, bias, total, mean, var, eps)
+        link.mean, link.var, link.eps = mean, var, eps
+    output = _Normalize.apply(alias, weight, bias, total, mean, var, eps, clipped)
     return output, mean, unbiased_var

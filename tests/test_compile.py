@@ -294,3 +294,23 @@ def test_compiled_job_exits_zero_under_torchrun(tmp_path: Path, backend: str) ->
     for attempt in range(3 if backend == "aot_eager" else 1):
         done = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, f"attempt {attempt}: exit {done.returncode}\n{done.stderr[-3000:]}"
+
+
+def test_clip_mode_without_peers_compiles_whole_and_equals_eager() -> None:
+    """eps_mode "clip" with no process group runs the synchronized Function on a group of one: it traces with
+    fullgraph=True (no agreement check to run) and gives eager's output, gradients and running stats."""
+    layers = [syncbn_dist.SynchronizedBatchNorm2d(3).double() for _ in range(2)]
+    for layer in layers:
+        layer.eps_mode = "clip"
+    compiled = torch.compile(layers[1], backend="aot_eager", fullgraph=True)
+    scales = torch.tensor([1e-3, 1.0, 2.0], dtype=torch.float64).view(1, 3, 1, 1)  # channel 0 is clipped
+    x = torch.randn(4, 3, 2, 2, dtype=torch.float64) * scales
+    results = []
+    for forward, layer in ((layers[0], layers[0]), (compiled, layers[1])):
+        inp = x.clone().requires_grad_()
+        out = forward(inp)
+        out.pow(2).sum().backward()
+        results.append([out.detach(), inp.grad, layer.weight.grad, layer.running_var])
+    for eager, traced in zip(*results):
+        # The same float64 kernels in both; the compiled graph may reorder a few float64 operations.
+        torch.testing.assert_close(traced, eager, rtol=1e-12, atol=1e-12)

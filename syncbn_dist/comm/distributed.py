@@ -39,7 +39,8 @@ class _AllReduceCoalesced(Function):
 
     The adjoint of a sum-all_reduce is a sum-all_reduce of the gradients. Only the gradients of inputs that
     require grad are sent, so the backward payload is as small as it can be (every rank agrees on which
-    inputs those are, since they run the same model).
+    inputs those are, since they run the same model). Under ``backward(create_graph=True)`` that sum is this
+    Function again, so the recorded backward can itself be differentiated (double backward).
     """
 
     @staticmethod
@@ -53,14 +54,15 @@ class _AllReduceCoalesced(Function):
     def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
         needed = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
         result: list[Optional[Tensor]] = [None] * len(grads)
-        if needed:
+        if needed and torch.is_grad_enabled():
+            for i, total in zip(needed, _AllReduceCoalesced.apply(ctx.group, *(grads[i] for i in needed))):
+                result[i] = total
+        elif needed:
             flat = _flatten([grads[i] for i in needed]).contiguous()
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)
             for i, chunk in zip(needed, _unflatten(flat, [grads[i] for i in needed])):
                 result[i] = chunk
         return (None, *result)
-
-
 
 
 @torch.library.custom_op("syncbn_dist::ordered_all_reduce", mutates_args=())
