@@ -3,7 +3,8 @@
 Double backward (``create_graph=True``): a gradient penalty, a MAML-style inner step through
 ``torch.func.functional_call``, Hessian-vector products over the parameters and over the input
 (``torch.autograd.functional.hvp``). Forward-mode AD (``torch.autograd.forward_ad``, ``torch.func.jvp``). Each runs
-over real gloo process groups (world sizes 2 and 3, uneven and empty shards) and over DataParallel thread replicas.
+over real gloo process groups (world sizes 2 and 3, uneven and empty shards), over DataParallel thread replicas, and
+over both at once (thread replicas inside each gloo process).
 
 Every rank differentiates its own share of a global objective that is a sum over the batch, so the sum over ranks of
 its second-order parameter gradients is the global one; per-sample quantities (input gradients, jvp tangents, the
@@ -164,13 +165,24 @@ def _check_process_group(rank: int, world_size: int, shards: list[int], objectiv
         out_ref, tangent_ref = torch.func.jvp(reference, (x,), (torch.sin(x),))
         assert_close(out, out_ref[rows], f"{what}: primal", **TOL)
         assert_close(tangent, tangent_ref[rows], f"{what}: tangent", **TOL)
+    elif objective == "replicas":
+        # Processes x thread replicas: each rank splits its shard over two replicas (the master all-reduces).
+        halves = [shards[rank] // 2, shards[rank] - shards[rank] // 2]
+        replicated = _AsModule(functools.partial(_replicated_forward, model, halves), model)
+        g, second = _penalty(replicated, x[rows], u[rows])
+        g_ref, second_ref = _penalty(reference, x, u)
+        assert_close(g, g_ref[rows], f"{what}: first order", **TOL)
+        _assert_all_close(_sum_over_ranks(second), second_ref, f"{what}: penalty gradient")
+        layers = [m for m in model.modules() if isinstance(m, syncbn_dist.SyncBatchNorm)]
+        assert [m.last_transport for m in layers] == ["dataparallel"] * 2
+        return
     else:
         raise AssertionError(objective)
     layers = [m for m in model.modules() if isinstance(m, syncbn_dist.SyncBatchNorm)]
     assert [m.last_transport for m in layers] == ["distributed"] * 2
 
 
-OBJECTIVES = ["penalty", "maml", "hvp-parameters", "hvp-input", "forward-ad", "func-jvp"]
+OBJECTIVES = ["penalty", "maml", "hvp-parameters", "hvp-input", "forward-ad", "func-jvp", "replicas"]
 
 
 def _worker(rank: int, world_size: int, objectives: list[str]) -> None:
