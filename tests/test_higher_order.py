@@ -2,7 +2,8 @@
 
 Double backward (``create_graph=True``): a gradient penalty, a MAML-style inner step through
 ``torch.func.functional_call``, Hessian-vector products over the parameters and over the input
-(``torch.autograd.functional.hvp``). Forward-mode AD (``torch.autograd.forward_ad``, ``torch.func.jvp``). Each runs
+(``torch.autograd.functional.hvp``), the penalty through ``torch.func.grad`` of ``torch.func.grad``. Forward-mode AD
+(``torch.autograd.forward_ad``, ``torch.func.jvp``). Each runs
 over real gloo process groups (world sizes 2 and 3, uneven and empty shards), over DataParallel thread replicas, and
 over both at once (thread replicas inside each gloo process).
 
@@ -109,6 +110,19 @@ def _hvp_input(model: nn.Module, x: Tensor, u: Tensor) -> Tensor:
     return hvp
 
 
+def _func_penalty_gradient(model: nn.Module, x: Tensor, u: Tensor) -> list[Tensor]:
+    """``torch.func.grad`` of the input-gradient penalty, itself taken with ``torch.func.grad``, over the parameters."""
+
+    def loss(params: dict[str, Tensor], inp: Tensor) -> Tensor:
+        return (functional_call(model, params, (inp,)) * u).sum()
+
+    def penalty(params: dict[str, Tensor]) -> Tensor:
+        return torch.func.grad(loss, argnums=1)(params, x).pow(2).sum()
+
+    grads = torch.func.grad(penalty)({name: p.detach() for name, p in model.named_parameters()})
+    return list(grads.values())
+
+
 def _jvp_forward_ad(model: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
     """Output and tangent of model at x in the direction sin(x), by torch.autograd.forward_ad."""
     with forward_ad.dual_level():
@@ -165,6 +179,13 @@ def _check_process_group(rank: int, world_size: int, shards: list[int], objectiv
         out_ref, tangent_ref = torch.func.jvp(reference, (x,), (torch.sin(x),))
         assert_close(out, out_ref[rows], f"{what}: primal", **TOL)
         assert_close(tangent, tangent_ref[rows], f"{what}: tangent", **TOL)
+    elif objective == "func-grad":
+        # The penalty through the torch.func transforms: grad of a function of grad, over functional_call.
+        for net in (model, reference):
+            torch.func.replace_all_batch_norm_modules_(net)
+        second = _func_penalty_gradient(model, x[rows], u[rows])
+        second_ref = _func_penalty_gradient(reference, x, u)
+        _assert_all_close(_sum_over_ranks(second), second_ref, f"{what}: torch.func penalty gradient")
     elif objective == "replicas":
         # Processes x thread replicas: each rank splits its shard over two replicas (the master all-reduces).
         halves = [shards[rank] // 2, shards[rank] - shards[rank] // 2]
@@ -182,7 +203,7 @@ def _check_process_group(rank: int, world_size: int, shards: list[int], objectiv
     assert [m.last_transport for m in layers] == ["distributed"] * 2
 
 
-OBJECTIVES = ["penalty", "maml", "hvp-parameters", "hvp-input", "forward-ad", "func-jvp", "replicas"]
+OBJECTIVES = ["penalty", "maml", "hvp-parameters", "hvp-input", "forward-ad", "func-jvp", "func-grad", "replicas"]
 
 
 def _worker(rank: int, world_size: int, objectives: list[str]) -> None:

@@ -44,11 +44,14 @@ class _AllReduceCoalesced(Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, group: Any, *tensors: Tensor) -> tuple[Tensor, ...]:
-        ctx.group = group
+    def forward(group: Any, *tensors: Tensor) -> tuple[Tensor, ...]:
         flat = _flatten(tensors)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         return tuple(_unflatten(flat, tensors))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        ctx.group = inputs[0]  # setup_context rather than ctx in forward: the torch.func transforms can run it
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
