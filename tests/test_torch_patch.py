@@ -356,6 +356,15 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     _check_against_global_batch(rank, world_size, DistributedDataParallel(model), model, reference, seed=2)
     done.append("torch-convert")
 
+    # torch.compile(fullgraph=True) of a model holding patched torch layers: one graph, the global batch's result.
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)).double()
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    _check_against_global_batch(rank, world_size, DistributedDataParallel(compiled), model, reference, seed=5)
+    assert model[1].last_transport == "distributed"
+    done.append("compiled")
+
     # process_group honoured: each rank alone in its group, so each normalizes over its own rows only.
     groups = [dist.new_group([r]) for r in range(world_size)]
     layer = nn.Sequential(nn.SyncBatchNorm(3, process_group=groups[rank])).double()
@@ -403,7 +412,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.slow
 def test_model_zoo_paths_under_ddp_on_cpu_give_global_batch_statistics() -> None:
     results = run_distributed(_worker, len(ROWS), timeout=240)
-    expected = ["timm-before", "timm-after", "torch-convert", "process-group"]
+    expected = ["timm-before", "timm-after", "torch-convert", "compiled", "process-group"]
     if importlib.util.find_spec("mmcv") is not None and importlib.util.find_spec("mmengine") is not None:
         expected.append("mmengine")
     assert [r["done"] for r in results] == [[*expected, "refused"]] * len(ROWS)
