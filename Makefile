@@ -22,7 +22,12 @@ TORCH ?= 2.13.0
 COMPAT_ARGS ?=
 COMPAT_VENV = .venv-compat-$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')-$(TORCH)
 
-.PHONY: install train train-dp train-multinode compare test compat bench lint clean
+# make frameworks: real model zoos through their own SyncBatchNorm paths, in .venv-frameworks (not part of CI: timm
+# needs a torchvision built for its torch, a CUDA build of several GB on x86_64).
+FRAMEWORKS_VENV := .venv-frameworks
+FRAMEWORKS_PINS := torch==2.14.1 torchvision==0.29.1 timm==1.0.31
+
+.PHONY: install train train-dp train-multinode compare test compat frameworks bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +72,12 @@ compat:
 	$(COMPAT_VENV)/bin/python -c 'import sys, torch; print("compat: Python", sys.version.split()[0], "torch", torch.__version__)'
 	OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -n $(NPROC) tests $(COMPAT_ARGS)
 
+frameworks:
+	test -x $(FRAMEWORKS_VENV)/bin/python || $(PYTHON) -m venv $(FRAMEWORKS_VENV)
+	$(FRAMEWORKS_VENV)/bin/python -m pip install --quiet $(FRAMEWORKS_PINS)
+	$(FRAMEWORKS_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	OMP_NUM_THREADS=1 PYTHONPATH=. $(FRAMEWORKS_VENV)/bin/python tests/frameworks/real_timm.py
+
 compare: install
 	OMP_NUM_THREADS=1 $(PY) -m launch.compare.run --config configs/compare.yaml $(ARGS)
 
@@ -77,4 +88,4 @@ lint: install
 	$(VENV)/bin/ruff check syncbn_dist launch tests
 
 clean:
-	rm -rf $(VENV) .venv-compat-* outputs .pytest_cache build *.egg-info
+	rm -rf $(VENV) .venv-compat-* $(FRAMEWORKS_VENV) outputs .pytest_cache build *.egg-info
