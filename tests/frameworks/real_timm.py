@@ -1,4 +1,4 @@
-"""Real timm models through timm's own ``convert_sync_batchnorm`` with ``patch_torch_sync_batchnorm``, under DDP on gloo.
+"""Real timm models through timm's ``convert_sync_batchnorm`` with ``patch_torch_sync_batchnorm``, DDP on gloo.
 
 Run by ``make frameworks`` in ``.venv-frameworks`` (torch, torchvision and timm from the registry; not part of
 ``make test``: timm needs a torchvision that matches its torch). For each model and both import orders (timm
@@ -74,7 +74,8 @@ def main(names: list[str]) -> int:
             difference = max(run_distributed(_worker, len(SHARDS), name, order, timeout=600))
             ok = difference < 1e-9  # float64 rounding, amplified where the deepest layers normalize 8 values at 1x1
             failed += not ok
-            print(f"{name:24s} {order:12s} max |state - global batch| / (1 + max |state|) = {difference:.2e} {'ok' if ok else 'FAIL'}")
+            verdict = "ok" if ok else "FAIL"
+            print(f"{name:24s} {order:12s} max |state - global batch| / (1 + max |state|) = {difference:.2e} {verdict}")
     return 1 if failed else 0
 
 
