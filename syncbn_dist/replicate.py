@@ -7,6 +7,7 @@ import threading
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.utils._pytree
 from torch import Tensor, nn
 
 from .comm.replica import ReplicaSyncError, Replication, SyncMaster
@@ -142,6 +143,24 @@ def _gather(outputs: Sequence[Any], dim: int) -> Any:
     return first
 
 
+def _refuse_functorch_transforms(inputs: Any, kwargs: Any) -> None:
+    """Raise if the replicas' inputs belong to a ``torch.func`` transform (jvp, grad, vjp, vmap).
+
+    The transform's state is per thread: replicas running in other threads see its tensors outside it, so their
+    tangents and gradients would be dropped without a word (a wrong jvp, not an error).
+
+    Raises:
+        RuntimeError: naming the transform's limit and what works instead.
+    """
+    leaves = torch.utils._pytree.tree_leaves((inputs, kwargs))
+    if any(isinstance(leaf, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(leaf) for leaf in leaves):
+        raise RuntimeError(
+            "DataParallel replicas run in threads outside torch.func transforms (jvp, grad, vjp, vmap), which would "
+            "drop their tangents and gradients: use torch.autograd.grad or torch.autograd.forward_ad with "
+            "DataParallel, or a torch.distributed process group with torch.func"
+        )
+
+
 class DataParallelWithCallback(nn.DataParallel):
     """``nn.DataParallel`` whose replicate step runs the replication callbacks.
 
@@ -199,6 +218,12 @@ class DataParallelWithCallback(nn.DataParallel):
         return super().parallel_apply([_AbortPeersOnError(r, replicas) for r in replicas], inputs, kwargs)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Scatter, run the replicas (threads), gather.
+
+        Raises:
+            RuntimeError: inside a ``torch.func`` transform (see :func:`_refuse_functorch_transforms`).
+        """
+        _refuse_functorch_transforms(inputs, kwargs)
         if self.cpu_replicas is None:
             return super().forward(*inputs, **kwargs)
         return self._forward_cpu_replicas(inputs, kwargs)
@@ -254,6 +279,7 @@ def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
 
     @functools.wraps(old_parallel_apply)
     def new_parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        _refuse_functorch_transforms(inputs, kwargs)
         return old_parallel_apply([_AbortPeersOnError(r, replicas) for r in replicas], inputs, kwargs)
 
     data_parallel.replicate = new_replicate

@@ -309,3 +309,19 @@ def test_clip_mode_double_backward_equals_its_own_autograd_reference() -> None:
         (g,) = torch.autograd.grad((torch.tanh(fn(inp)) * u).sum(), inp, create_graph=True)
         results.append([g.detach(), *_grads(g.pow(2).sum(), [inp, layer.weight])])
     _assert_all_close(results[0], results[1], "clip mode")
+
+
+@pytest.mark.timeout(60)
+def test_data_parallel_with_callback_forward_ad_is_exact_and_torch_func_is_refused(one_intra_op_thread: None) -> None:
+    """forward_ad through the public DataParallelWithCallback is exact; a torch.func transform, whose state does not
+    reach the replica threads (its tangents would be dropped silently), raises instead."""
+    reference = _net()
+    torch.func.replace_all_batch_norm_modules_(reference)
+    parallel = syncbn_dist.DataParallelWithCallback(syncbn_dist.convert_model(copy.deepcopy(reference)), cpu_replicas=3)
+    x, _ = _batch(8, seed=4)
+    out, tangent = _jvp_forward_ad(parallel, x)
+    out_ref, tangent_ref = _jvp_forward_ad(reference, x)
+    assert_close(out, out_ref, "DataParallelWithCallback forward-AD primal", **TOL)
+    assert_close(tangent, tangent_ref, "DataParallelWithCallback forward-AD tangent", **TOL)
+    with pytest.raises(RuntimeError, match="outside torch.func transforms"):
+        torch.func.jvp(parallel, (x,), (torch.sin(x),))
