@@ -12,23 +12,15 @@ import sys
 
 import torch
 import torch.distributed as dist
+from conv_bn_model import batch, build
 from torch import Tensor, nn
 
 ROWS = (3, 5)
 LR = 0.5
 
 
-def build() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(16, 5), nn.BatchNorm1d(5)
-    ).double()
-
-
 def global_batch() -> tuple[Tensor, Tensor]:
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(sum(ROWS), 3, 2, 2, generator=gen, dtype=torch.float64) * 2 + 1
-    return x, torch.randn(sum(ROWS), 5, generator=gen, dtype=torch.float64)
+    return batch(sum(ROWS))
 
 
 def main(out_dir: str) -> int:
