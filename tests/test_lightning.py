@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 import syncbn_dist
+from tests.sessions import run_in_session
 
 HERE = Path(__file__).resolve().parent
 LIGHTNING = [name for name in ("pytorch_lightning", "lightning") if importlib.util.find_spec(name) is not None]
@@ -32,21 +32,7 @@ needs_lightning = pytest.mark.skipif(not LIGHTNING, reason="neither pytorch_ligh
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     """Run ``python args`` in a new session; on timeout kill the whole session (Lightning's rank 1 too)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    proc = subprocess.Popen(
-        [sys.executable, *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"python {' '.join(args)} did not finish in {timeout} s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(args, proc.returncode, out)
+    return run_in_session([sys.executable, *args], env=env, timeout=timeout)
 
 
 def test_core_does_not_import_lightning() -> None:
