@@ -1,11 +1,11 @@
 """Higher-order derivatives through the synchronized layer, against nn.BatchNorm on the global batch in float64.
 
-Double backward (``create_graph=True``): a gradient penalty, a MAML-style inner step through
-``torch.func.functional_call``, Hessian-vector products over the parameters and over the input
-(``torch.autograd.functional.hvp``), the penalty through ``torch.func.grad`` of ``torch.func.grad``. Forward-mode AD
-(``torch.autograd.forward_ad``, ``torch.func.jvp``). Each runs
-over real gloo process groups (world sizes 2 and 3, uneven and empty shards), over DataParallel thread replicas, and
-over both at once (thread replicas inside each gloo process).
+Double backward (``create_graph=True``): a gradient penalty (also as a WGAN-GP step under DistributedDataParallel),
+a MAML-style inner step through ``torch.func.functional_call``, Hessian-vector products over the parameters and
+over the input (``torch.autograd.functional.hvp``), the penalty through ``torch.func.grad`` of ``torch.func.grad``.
+Forward-mode AD (``torch.autograd.forward_ad``, ``torch.func.jvp``). Each runs over real gloo process groups (world
+sizes 2 and 3, uneven and empty shards), over DataParallel thread replicas, and over both at once (thread replicas
+inside each gloo process).
 
 Every rank differentiates its own share of a global objective that is a sum over the batch, so the sum over ranks of
 its second-order parameter gradients is the global one; per-sample quantities (input gradients, jvp tangents, the
@@ -26,6 +26,7 @@ import torch.distributed.nn.functional as dist_nn
 from torch import Tensor, nn
 from torch.autograd import forward_ad
 from torch.func import functional_call
+from torch.nn.parallel import DistributedDataParallel
 
 import syncbn_dist
 from launch.common.spawn import run_distributed
@@ -110,6 +111,15 @@ def _hvp_input(model: nn.Module, x: Tensor, u: Tensor) -> Tensor:
     return hvp
 
 
+def _ddp_penalty_step(model: nn.Module, x: Tensor, u: Tensor, scale: int) -> None:
+    """Backward of ``(model(x) * u).sum() + sum((|grad_x| - 1)**2)`` (the WGAN-GP penalty), times ``scale``."""
+    x = x.clone().requires_grad_()
+    out = model(x)
+    (g,) = torch.autograd.grad((out * u).sum(), x, create_graph=True)
+    loss = (out * u).sum() + (g.flatten(1).norm(dim=1) - 1).pow(2).sum()
+    (loss * scale).backward()
+
+
 def _func_penalty_gradient(model: nn.Module, x: Tensor, u: Tensor) -> list[Tensor]:
     """``torch.func.grad`` of the input-gradient penalty, itself taken with ``torch.func.grad``, over the parameters."""
 
@@ -179,6 +189,12 @@ def _check_process_group(rank: int, world_size: int, shards: list[int], objectiv
         out_ref, tangent_ref = torch.func.jvp(reference, (x,), (torch.sin(x),))
         assert_close(out, out_ref[rows], f"{what}: primal", **TOL)
         assert_close(tangent, tangent_ref[rows], f"{what}: tangent", **TOL)
+    elif objective == "ddp-gradient-penalty":
+        # A WGAN-GP-style step under DistributedDataParallel: loss plus the input-gradient penalty, one backward.
+        _ddp_penalty_step(DistributedDataParallel(model), x[rows], u[rows], scale=world_size)  # DDP averages
+        _ddp_penalty_step(reference, x, u, scale=1)
+        grads = [p.grad for p in model.parameters()]
+        _assert_all_close(grads, [p.grad for p in reference.parameters()], f"{what}: DDP parameter gradients")
     elif objective == "func-grad":
         # The penalty through the torch.func transforms: grad of a function of grad, over functional_call.
         for net in (model, reference):
@@ -203,7 +219,17 @@ def _check_process_group(rank: int, world_size: int, shards: list[int], objectiv
     assert [m.last_transport for m in layers] == ["distributed"] * 2
 
 
-OBJECTIVES = ["penalty", "maml", "hvp-parameters", "hvp-input", "forward-ad", "func-jvp", "func-grad", "replicas"]
+OBJECTIVES = [
+    "penalty",
+    "ddp-gradient-penalty",
+    "maml",
+    "hvp-parameters",
+    "hvp-input",
+    "forward-ad",
+    "func-jvp",
+    "func-grad",
+    "replicas",
+]
 
 
 def _worker(rank: int, world_size: int, objectives: list[str]) -> None:
