@@ -232,6 +232,11 @@ OBJECTIVES = [
 ]
 
 
+# World size 3 repeats the objectives whose collectives differ with more members; the torch.func transforms and the
+# third-order hvp run the same collectives at any world size, so world size 2 (with an empty shard) covers them.
+OBJECTIVES_AT_3 = ["penalty", "ddp-gradient-penalty", "maml", "hvp-parameters", "forward-ad", "replicas"]
+
+
 def _worker(rank: int, world_size: int, objectives: list[str]) -> None:
     for shards in SHARDS[world_size]:
         for objective in objectives:
@@ -247,7 +252,7 @@ def _worker(rank: int, world_size: int, objectives: list[str]) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_higher_order_derivatives_over_gloo_equal_batchnorm_on_the_global_batch(world_size: int) -> None:
-    run_distributed(_worker, world_size, OBJECTIVES)
+    run_distributed(_worker, world_size, OBJECTIVES if world_size == 2 else OBJECTIVES_AT_3)
 
 
 # DataParallel thread replicas: the model is replicated by hand so that each replica's share is exact.
