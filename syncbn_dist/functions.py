@@ -605,8 +605,7 @@ class _Normalize(Function):
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Any, ...]:
         input, weight, bias, total, mean, var = ctx.saved_tensors
         if torch.is_grad_enabled():  # backward(create_graph=True): autograd's product of the forward in plain ops
-            grads = _recorded_normalize_backward(ctx, grad_output, input, weight, bias, total, mean, var)
-            return (*grads, None, None, None, None)
+            return (*_recorded_normalize_backward(ctx, grad_output), None, None, None, None)
         grad_output = _like_input(grad_output, input)
         eps = ctx.eps
         scaled, sum_dy, sum_dy_xhat = _scaled_grad_and_reductions(grad_output, input, weight, mean, var, eps)
@@ -627,22 +626,14 @@ class _Normalize(Function):
         return scaled, grad_weight, grad_bias, grad_total, None, None, None, None
 
 
-def _recorded_normalize_backward(
-    ctx: Any,
-    grad_output: Tensor,
-    input: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    total: Tensor,
-    mean: Tensor,
-    var: Tensor,
-) -> list[Optional[Tensor]]:
+def _recorded_normalize_backward(ctx: Any, grad_output: Tensor) -> list[Optional[Tensor]]:
     """``_Normalize``'s gradients as autograd's own of its forward written in plain ops of ``total``, recorded.
 
     The statistics take their values from the forward's (exact) ``mean`` and ``var`` and their derivatives from
     ``S / N`` and ``Q / N - (S / N)**2``: ``c + (f - f.detach())`` has the value ``c`` and every derivative of ``f``
     (none on a clipped channel, which normalizes by eps).
     """
+    input, weight, bias, total, mean, var = ctx.saved_tensors
     with torch.enable_grad():
         num_features = input.size(1)
         sums, squares, count = total.split([num_features, num_features, 1])
