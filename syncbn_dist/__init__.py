@@ -12,6 +12,7 @@ from .batchnorm import (
 )
 from .comm import LayerMismatchError, ReplicaSyncError, is_debug_enabled, new_sync_groups, set_debug
 from .convert import convert_model, revert_model
+from .kernels import get_kernels, set_kernels
 from .registry import register_conversion
 from .replicate import DataParallelWithCallback, execute_replication_callbacks, patch_replication_callback
 from .running_stats import sync_running_stats
@@ -34,6 +35,7 @@ __all__ = [
     "SynchronizedBatchNorm3d",
     "convert_model",
     "execute_replication_callbacks",
+    "get_kernels",
     "is_debug_enabled",
     "is_torch_sync_batchnorm_patched",
     "new_sync_groups",
@@ -43,6 +45,7 @@ __all__ = [
     "register_conversion",
     "revert_model",
     "set_debug",
+    "set_kernels",
     "set_sbn_eps_mode",
     "sync_running_stats",
     "unpatch_torch_sync_batchnorm",

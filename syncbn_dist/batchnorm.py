@@ -23,6 +23,7 @@ from .comm import (
 )
 from .comm.agreement import verify_agreement_while_tracing
 from .functions import Transport, sync_batch_norm
+from .tracing import eager_replica_thread, is_compiling
 
 __all__ = [
     "SyncBatchNorm",
@@ -69,6 +70,7 @@ class _SoloTransport:
     """The transport of a group of one: the sum over the members is the tensor itself (no communication)."""
 
     name = "local"
+    group_name = None  # the compiled kernels' name for a group of one: no collective
 
     def sum_(self, tensor: Tensor) -> Tensor:
         return tensor
@@ -243,7 +245,8 @@ class SyncBatchNorm(_BatchNorm):
         exchange = self._replica_exchange
         assert exchange is not None
         try:
-            return self._forward(input)
+            with eager_replica_thread():  # a peer compiling a kernel must not look like tracing here
+                return self._forward(input)
         except BaseException as error:
             exchange.report_failure(error, self._describe())
             raise
@@ -258,7 +261,7 @@ class SyncBatchNorm(_BatchNorm):
             return super().forward(input)
         if transport is None and self._eps_mode() == "clip":
             transport = _SOLO  # F.batch_norm knows only var + eps: the same math, with no communication
-        if not torch.compiler.is_compiling() and _is_recomputing():
+        if not is_compiling() and _is_recomputing():
             return self._recompute_forward(input, transport)
         if transport is None:
             return super().forward(input)
@@ -276,7 +279,7 @@ class SyncBatchNorm(_BatchNorm):
         call at the same layer, so all of them take part); see :func:`syncbn_dist.comm.agreement`.
         """
         key = f"num_features={self.num_features} dtype={input.dtype}"
-        if torch.compiler.is_compiling():
+        if is_compiling():
             if transport is not _SOLO:  # a group of one ("clip" with no peers) has nobody to agree with
                 verify_agreement_while_tracing(transport.process_group, key, self._describe(), id(self))
         else:
@@ -310,7 +313,7 @@ class SyncBatchNorm(_BatchNorm):
         """
         if self.momentum is not None:
             return self.momentum
-        if torch.compiler.is_compiling():
+        if is_compiling():
             return 1.0 / self.num_batches_tracked
         return 1.0 / float(self.num_batches_tracked)
 

@@ -36,6 +36,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function, forward_ad
 
+from . import kernels
+from .tracing import is_compiling
+
 __all__ = [
     "Transport",
     "combine_moments",
@@ -99,7 +102,7 @@ def local_payload(input: Tensor) -> Tensor:
     if _lean_regime(input) and input.dtype == torch.float32 and input.is_contiguous() and input.dim() > 2:
         return _copy_free_payload(input, count)
     shard = input.to(_COMBINE_DTYPE)
-    if torch.compiler.is_compiling():
+    if is_compiling():
         # batch_norm_update_stats has no fake-tensor kernel for dynamic shapes; var_mean traces everywhere.
         var, mean = torch.var_mean(shard, [0, *range(2, shard.dim())], correction=0)
     else:
@@ -117,7 +120,7 @@ def _lean_regime(input: Tensor) -> bool:
     (measured 1.25x contiguous, 1.65x channels_last at (32, 64, 28, 28) bfloat16).
     """
     return (
-        not torch.compiler.is_compiling()
+        not is_compiling()
         and not input.is_cuda
         and input.dtype not in (torch.float16, torch.bfloat16)
         and input.numel() >= LEAN_MIN_NUMEL
@@ -320,7 +323,7 @@ def _checked_count(total: Tensor, input: Tensor) -> None:
         "Expected more than 1 value per channel when training, got a global batch of 1 value per channel "
         f"(local input size {list(input.shape)})"
     )
-    if torch.compiler.is_compiling():
+    if is_compiling():
         torch._assert_async(total[-1] != 1.0, message)
     elif int(total[-1].item()) == 1:
         raise ValueError(message)
@@ -349,6 +352,9 @@ class _SyncBatchNormFunction(Function):
         eps_mode: str,
         transport: Any,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        group_name = _compiled_group_name(input, transport)
+        if group_name is not _NATIVE:  # payload, all_reduce and normalize in one compiled region
+            return kernels.layer_forward(input, weight, bias, eps, eps_mode == "clip", group_name)
         total = transport.sum_(local_payload(input))
         _checked_count(total, input)
         stats, count = global_statistics(total)
@@ -375,6 +381,16 @@ class _SyncBatchNormFunction(Function):
         if torch.is_grad_enabled():  # backward(create_graph=True): record a graph that can be differentiated again
             return (*_recorded_backward(ctx, grad_output, input, weight, mean, count), None, None, None)
         grad_output = _like_input(grad_output, input)
+        needs = ctx.needs_input_grad
+        group_name = _compiled_group_name(input, ctx.transport)
+        if group_name is not _NATIVE:  # reductions, all_reduce and grad_input in one compiled region
+            grad_input, sum_dy_xhat, sum_dy = kernels.layer_backward(
+                grad_output, input, weight, mean, var, count, ctx.eps, ctx.eps_mode == "clip", group_name, needs[0]
+            )
+            param_dtype = mean.dtype if weight is None else weight.dtype
+            grad_weight = sum_dy_xhat.to(param_dtype) if needs[1] else None
+            grad_bias = sum_dy.to(param_dtype) if needs[2] else None
+            return grad_input, grad_weight, grad_bias, None, None, None
         sum_dy, sum_dy_xhat = _local_reductions(grad_output, input, weight, mean, var, ctx.eps)
         # One collective of 2C float64 values; weight and bias keep the local sums (DDP averages them).
         reductions = ctx.transport.sum_(torch.cat([sum_dy, sum_dy_xhat]).to(_COMBINE_DTYPE))
@@ -384,6 +400,25 @@ class _SyncBatchNormFunction(Function):
         grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = sum_dy.to(weight.dtype if weight is not None else mean.dtype) if ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias, None, None, None
+
+
+# _compiled_group_name's answer when the native ops run.
+_NATIVE = object()
+
+
+def _compiled_group_name(input: Tensor, transport: Any) -> Any:
+    """The process group name the compiled regions reduce over (None for a group of one), or ``_NATIVE`` where the
+    native ops run: the kernel switch says so, or the transport has no group the compiled region can name."""
+    group_name = getattr(transport, "group_name", _NATIVE)
+    if group_name is _NATIVE or not _takes_compiled_kernels(input):
+        return _NATIVE
+    return group_name
+
+
+def _takes_compiled_kernels(input: Tensor) -> bool:
+    """Whether this call runs :mod:`syncbn_dist.kernels`' compiled kernels (never in forward-mode AD, whose
+    ``jvp``s are written in native ops)."""
+    return kernels.use_compiled(input) and not _forward_ad_active()
 
 
 class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
@@ -422,7 +457,7 @@ class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
 
 def _forward_ad_active() -> bool:
     """Whether a ``torch.autograd.forward_ad.dual_level`` or a ``torch.func`` transform is active (eager only)."""
-    return not torch.compiler.is_compiling() and (
+    return not is_compiling() and (
         forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None
     )
 
@@ -502,6 +537,8 @@ class _LocalPayload(Function):
 
     @staticmethod
     def forward(input: Tensor, link: _BackwardLink) -> tuple[Tensor, Tensor]:
+        if _takes_compiled_kernels(input):
+            return kernels.payload(input), input.view_as(input)
         return local_payload(input), input.view_as(input)
 
     @staticmethod
@@ -533,6 +570,9 @@ class _LocalPayload(Function):
             return grad_alias, None
         link: _BackwardLink = ctx.link
         mean, var = link.mean, link.var
+        if _takes_compiled_kernels(input):
+            grad_alias = _like_input(grad_alias, input)
+            return kernels.grad_through_payload(grad_alias, input, grad_sum, grad_sumsq, mean), None
         # (x - mean) * rsqrt(var + eps) * W + B with W = 2 g_sumsq sqrt(var + eps) and B = g_sum + 2 mean g_sumsq.
         weight = (2.0 * grad_sumsq * torch.sqrt(var.to(_COMBINE_DTYPE) + link.eps)).to(mean.dtype)
         bias = torch.addcmul(grad_sum, mean.to(_COMBINE_DTYPE), grad_sumsq, value=2.0).to(mean.dtype)
@@ -561,6 +601,8 @@ class _Normalize(Function):
         eps: float,
         clipped: Optional[Tensor],
     ) -> Tensor:
+        if _takes_compiled_kernels(input):
+            return kernels.normalized(input, total, weight, bias, eps, clipped is not None)
         return _batch_norm_inference(input, _as_stat(weight, mean), _as_stat(bias, mean), mean, var, eps)
 
     @staticmethod
@@ -608,7 +650,10 @@ class _Normalize(Function):
             return (*_recorded_normalize_backward(ctx, grad_output), None, None, None, None)
         grad_output = _like_input(grad_output, input)
         eps = ctx.eps
-        scaled, sum_dy, sum_dy_xhat = _scaled_grad_and_reductions(grad_output, input, weight, mean, var, eps)
+        if _takes_compiled_kernels(input):
+            scaled, sum_dy, sum_dy_xhat = kernels.scaled_grad(grad_output, input, weight, mean, var, eps)
+        else:
+            scaled, sum_dy, sum_dy_xhat = _scaled_grad_and_reductions(grad_output, input, weight, mean, var, eps)
         grad_weight = sum_dy_xhat.to(ctx.param_dtype) if ctx.needs_input_grad[1] else None
         grad_bias = sum_dy.to(ctx.param_dtype) if ctx.needs_input_grad[2] else None
         grad_total = None
@@ -754,7 +799,7 @@ def sync_batch_norm(
     if running_mean is not None and running_var is not None:
         with torch.no_grad():
             if _values_per_channel(input) <= 1:  # the global batch may be empty: then the buffers keep their values
-                if torch.compiler.is_compiling():  # no host read inside a graph: select per channel instead
+                if is_compiling():  # no host read inside a graph: select per channel instead
                     empty = mean.isnan()
                     mean = torch.where(empty, running_mean, mean)
                     unbiased_var = torch.where(empty, running_var, unbiased_var)

@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.autograd import Function
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from ..tracing import is_compiling
 from .agreement import verify_group_agreement
 
 __all__ = [
@@ -106,6 +107,11 @@ class DistributedTransport:
     def __init__(self, process_group: Optional[Any] = None) -> None:
         self.process_group = process_group
 
+    @property
+    def group_name(self) -> str:
+        """The group's name, by which compiled graphs reach it (:func:`ordered_all_reduce`)."""
+        return (dist.group.WORLD if self.process_group is None else self.process_group).group_name
+
     def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         return list(_AllReduceCoalesced.apply(self.process_group, *tensors))
 
@@ -116,9 +122,8 @@ class DistributedTransport:
         :func:`ordered_all_reduce`, which the graph keeps in program order.
         Called inside the synchronized batch-norm autograd Function, forward and backward.
         """
-        if torch.compiler.is_compiling():
-            group = dist.group.WORLD if self.process_group is None else self.process_group
-            return torch.ops.syncbn_dist.ordered_all_reduce(tensor, group.group_name)
+        if is_compiling():
+            return torch.ops.syncbn_dist.ordered_all_reduce(tensor, self.group_name)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
         return tensor
 

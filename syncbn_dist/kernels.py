@@ -1,0 +1,467 @@
+r"""The synchronized layer's per-element work as one Python source that ``torch.compile`` (inductor) fuses.
+
+BatchNorm is memory-bound: the time goes to passes over the activation, not to arithmetic. This module writes the
+four passes of an exact synchronized layer in plain torch ops, and inductor turns them into fused kernels, C++
+on CPU and Triton on CUDA, with the float32 (or float16/bfloat16) load and the float64 accumulation in one loop:
+
+- forward: :func:`shard_payload` reads ``x`` once for ``[sum(x), sum(x**2), count]`` in float64;
+  :func:`normalize` reads ``x`` and writes ``y``;
+- backward: :func:`grad_reductions` reads ``dy`` and ``x`` for ``[sum(dy), sum(dy * x_hat)]`` in float64;
+  :func:`grad_input` reads ``dy`` and ``x`` and writes ``dx``.
+
+That is 8 activation accesses per element, the count of ``torch.nn.SyncBatchNorm``'s CUDA kernels (32 B per
+float32 element), with no float64 copy of the activation. Over a process group the collective runs inside the
+compiled region (:func:`forward_region`, :func:`backward_region`, with
+:func:`syncbn_dist.comm.distributed.ordered_all_reduce`), so one layer is one compiled call per direction; other
+transports (the DataParallel exchange) call the pieces with their own exchange in between.
+
+The switch is :func:`set_kernels` (or the environment variable ``SYNCBN_DIST_KERNELS``): ``"native"`` keeps the
+native-op path of :mod:`syncbn_dist.functions`, ``"compiled"`` uses these kernels, ``"auto"`` (the default) uses
+them where inductor works and otherwise warns once and keeps the native path. Under a user's own
+``torch.compile`` the layer's ops are traced into the user's graph as before, whatever the switch says.
+
+Exactness: the shard sums are taken about the shard's first value per channel (a shift that removes a large mean
+before squaring, then added back in float64, as :func:`syncbn_dist.functions._copy_free_payload` does), and every
+reduction accumulates in float64, so the statistics are exact to float64 rounding at any |mean|/std; the
+elementwise passes compute ``(x - mean) * scale + shift`` in the statistics dtype, as the native kernels do.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import types
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from .tracing import is_compiling
+
+__all__ = ["KERNEL_MODES", "get_kernels", "set_kernels"]
+
+KERNEL_MODES = ("auto", "compiled", "native")
+KERNELS_ENV = "SYNCBN_DIST_KERNELS"
+_F64 = torch.float64
+
+_mode: Optional[str] = None
+
+
+def set_kernels(mode: str) -> None:
+    """Choose the kernels of every synchronized layer's eager training forward and backward, process-wide.
+
+    ``"native"`` is the native-op path (torch's batch-norm kernels and a float64 copy of the activation for the
+    statistics); ``"compiled"`` uses this module's kernels, compiled by ``torch.compile`` with inductor on first use
+    (dynamic shapes: one graph per direction for each dtype and memory format, shared by every layer, rank and batch
+    size); ``"auto"`` uses the compiled kernels where inductor can build them (a C++ compiler for CPU tensors,
+    Triton for CUDA tensors) and falls back to native with one warning naming why. Overrides
+    ``SYNCBN_DIST_KERNELS``. Under a user's ``torch.compile``, in forward-mode AD, in
+    ``backward(create_graph=True)``, under a ``TorchDispatchMode`` and for shards of at most one value per channel
+    the native ops run whatever the mode. Both kernel sets give the global-batch result and send the same
+    collectives, so members may differ in mode.
+
+    Args:
+        mode: ``"auto"``, ``"compiled"`` or ``"native"``.
+
+    Raises:
+        ValueError: for any other mode.
+    """
+    global _mode
+    _mode = _checked_mode(mode, "set_kernels")
+
+
+def get_kernels() -> str:
+    """The mode in force: the last :func:`set_kernels`, else ``SYNCBN_DIST_KERNELS``, else ``"auto"``.
+
+    Raises:
+        ValueError: if ``SYNCBN_DIST_KERNELS`` holds an unknown mode.
+    """
+    if _mode is not None:
+        return _mode
+    return _checked_mode(os.environ.get(KERNELS_ENV, "auto"), KERNELS_ENV)
+
+
+def _checked_mode(mode: Any, source: str) -> str:
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"{source}: expected one of {', '.join(map(repr, KERNEL_MODES))}, got {mode!r}")
+    return mode
+
+
+def use_compiled(input: Tensor) -> bool:
+    """Whether this eager training call takes the compiled kernels (the caller has ruled out forward-mode AD).
+
+    Raises:
+        RuntimeError: in ``"compiled"`` mode, where inductor cannot build kernels for the input's device.
+    """
+    # A shard of at most one value per channel needs the native path's count check (a host read). torch.compile
+    # refuses to run under a TorchDispatchMode (an op counter, FlopCounterMode): those see the native ops.
+    if is_compiling() or input.size(1) == 0 or _values_per_channel(input) < 2 or _dispatch_mode_active():
+        return False
+    mode = get_kernels()
+    if mode == "native":
+        return False
+    missing = _missing_compiler(input.device.type)
+    if missing is None:
+        return True
+    if mode == "compiled":
+        raise RuntimeError(f"syncbn_dist.set_kernels('compiled'): {missing}; use 'auto' or 'native'")
+    _warn_fallback(missing)
+    return False
+
+
+def _dispatch_mode_active() -> bool:
+    return _get_current_dispatch_mode() is not None
+
+
+@functools.cache
+def _missing_compiler(device_type: str) -> Optional[str]:
+    """Why inductor cannot build kernels for ``device_type``, or None when it can."""
+    if device_type == "cpu":
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        try:  # inductor's own search (config.cpp.cxx, then g++ / clang++ / the CXX environment variable)
+            get_cpp_compiler()
+        except Exception as error:  # noqa: BLE001 - any failure means no compiler; its text is the reason
+            return f"inductor finds no C++ compiler for CPU kernels ({error})"
+        return None
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "Triton is not installed, which inductor's CUDA kernels need"
+    return f"inductor kernels are not built for {device_type} tensors here"
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(
+        f"syncbn_dist: compiled batch-norm kernels unavailable ({reason}); using the native kernels "
+        f"(set {KERNELS_ENV}=native or syncbn_dist.set_kernels('native') to silence this)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _values_per_channel(input: Tensor) -> int:
+    return input.numel() // input.size(1)
+
+
+def _reduced_dims(x: Tensor) -> list[int]:
+    return [0, *range(2, x.dim())]
+
+
+def _channel_shape(x: Tensor) -> list[int]:
+    return [1, -1] + [1] * (x.dim() - 2)
+
+
+def _sum_per_channel(t: Tensor) -> Tensor:
+    """Sum a (N, C, L) tensor over N and L, in the order that suits its layout.
+
+    Contiguous: one stage, the inner loop over L. Channels innermost (channels_last flattened): first over L, then
+    over N, because inductor's CPU kernel walks a reduced dimension once per block of 8 channels, so a single stage
+    over N * L would reread the whole activation from memory C / 8 times (measured 3 ms against 0.8 for
+    (32, 64, 28, 28) float32 channels_last) where one sample's (L, C) slab stays in cache.
+    """
+    if t.stride(1) == 1 and t.size(2) > 1:
+        return t.sum(2).sum(0)
+    return t.sum([0, 2])
+
+
+def _stat_dtype(x: Tensor) -> torch.dtype:
+    return _F64 if x.dtype == _F64 else torch.float32
+
+
+# The one source. Each function is plain torch ops on (N, C, *) tensors with N * prod(*) >= 2; the per-channel
+# coefficients the elementwise passes use are returned too, so that inductor stores them once per channel rather
+# than recomputing them (rsqrt in float64) at every element.
+
+
+def shard_payload(x: Tensor) -> Tensor:
+    """``[sum(x) (C), sum(x**2) (C), count]`` of one shard as (2C + 1,) float64, from one pass over ``x``.
+
+    The sums are taken about ``s``, the shard's first value per channel: ``d = x - s`` in float64 is exact for
+    float32 input and small next to a large mean, so ``sum(d**2)`` keeps the variance; then
+    ``sum(x) = sum(d) + n s`` and ``sum(x**2) = sum(d**2) + s (2 sum(d) + n s)`` (Chan et al. 1979, as sums).
+    """
+    count = x.numel() // x.size(1)
+    shift = x[(0, slice(None)) + (0,) * (x.dim() - 2)].to(_F64)
+    centred = x.to(_F64) - shift.view(_channel_shape(x))
+    sums, squares = _sum_per_channel(centred), _sum_per_channel(centred.square())
+    absolute_sums = sums + count * shift
+    return torch.cat([absolute_sums, squares + shift * (2.0 * sums + count * shift), sums.new_full((1,), count)])
+
+
+def normalize(
+    x: Tensor, total: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, clip: bool
+) -> tuple[Tensor, ...]:
+    """The output normalized with the global statistics of ``total`` (the summed payloads), and those statistics.
+
+    Returns ``(y, mean, unbiased_var, var, count, scale)``: ``y`` in ``x``'s dtype; ``mean``, the unbiased variance
+    and the normalizing variance (``max(var, eps) - eps`` when ``clip``) in the statistics dtype; the (1,) float64
+    count; ``scale = weight * invstd`` (stored once per channel).
+    """
+    num_features = x.size(1)
+    sums, squares, count = total.split([num_features, num_features, 1])
+    mean = sums / count
+    m2 = torch.addcmul(squares, sums, mean, value=-1.0)
+    var = m2 / count
+    if clip:
+        var = var.clamp(min=eps) - eps
+    invstd = torch.rsqrt(var + eps)
+    scale = invstd if weight is None else invstd * weight.to(_F64)
+    dtype, shape = _stat_dtype(x), _channel_shape(x)
+    mean_s, scale_s = mean.to(dtype), scale.to(dtype)
+    y = (x.to(dtype) - mean_s.view(shape)) * scale_s.view(shape)
+    if bias is not None:
+        y = y + bias.to(dtype).view(shape)
+    return y.to(x.dtype), mean_s, (m2 / (count - 1.0)).to(dtype), var.to(dtype), count, scale_s
+
+
+def grad_reductions(dy: Tensor, x: Tensor, mean: Tensor, var: Tensor, eps: float) -> Tensor:
+    """This shard's ``[sum(dy) (C), sum(dy * x_hat) (C)]`` as (2C,) float64, from one pass over ``dy`` and ``x``."""
+    grad = dy.to(_F64)
+    centred = x.to(_F64) - mean.to(_F64).view(_channel_shape(x))
+    invstd = torch.rsqrt(var.to(_F64) + eps)
+    return torch.cat([_sum_per_channel(grad), _sum_per_channel(grad * centred) * invstd])
+
+
+def grad_input(
+    dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, count: Tensor, reductions: Tensor,
+    eps: float, clip: bool,
+) -> tuple[Tensor, ...]:
+    """The global-batch ``grad_input`` (Ioffe & Szegedy 2015, arXiv:1502.03167), from the summed ``reductions``:
+
+        dx = weight * invstd * (dy - sum(dy) / N - x_hat * sum(dy * x_hat) / N)
+
+    as ``dy * a + (x - mean) * b + c`` in the statistics dtype. Returns ``(dx, a, b, c)``. With ``clip``, a channel
+    whose variance was clipped (``var == 0`` as the normalizing variance) drops the ``x_hat`` term.
+    """
+    invstd = torch.rsqrt(var.to(_F64) + eps)
+    scale = invstd if weight is None else invstd * weight.to(_F64)
+    mean_dy, mean_dy_xhat = (reductions / count).chunk(2)
+    if clip:
+        mean_dy_xhat = torch.where(var == 0.0, 0.0, mean_dy_xhat)
+    dtype, shape = _stat_dtype(x), _channel_shape(x)
+    a, b, c = scale.to(dtype), (-scale * invstd * mean_dy_xhat).to(dtype), (-scale * mean_dy).to(dtype)
+    dx = dy.to(dtype) * a.view(shape) + (x.to(dtype) - mean.view(shape)) * b.view(shape) + c.view(shape)
+    return dx.to(x.dtype), a, b, c
+
+
+def scaled_grad_and_reductions(
+    dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, eps: float
+) -> tuple[Tensor, ...]:
+    """``weight * invstd * dy`` in ``dy``'s dtype with this shard's ``[sum(dy), sum(dy * x_hat)]`` as (2C,) float64,
+    from one pass over ``dy`` and ``x`` (the DataParallel path's ``_Normalize`` backward). Returns
+    ``(scaled, reductions, scale)``."""
+    reductions = grad_reductions(dy, x, mean, var, eps)
+    invstd = torch.rsqrt(var.to(_F64) + eps)
+    dtype = _stat_dtype(x)
+    scale = (invstd if weight is None else invstd * weight.to(_F64)).to(dtype)
+    return (dy.to(dtype) * scale.view(_channel_shape(x))).to(dy.dtype), reductions, scale
+
+
+def payload_grad(
+    grad_alias: Tensor, x: Tensor, grad_sum: Tensor, grad_sumsq: Tensor, mean: Tensor
+) -> tuple[Tensor, ...]:
+    """``grad_alias + g_sum + 2 x g_sumsq``, the gradient through :func:`shard_payload` (the DataParallel path's
+    ``_LocalPayload`` backward), as ``grad_alias + (x - mean) * a + b`` about the global ``mean`` so that a large
+    mean does not cancel. Returns ``(grad_input, a, b)``."""
+    dtype, shape = _stat_dtype(x), _channel_shape(x)
+    a = (2.0 * grad_sumsq).to(dtype)
+    b = torch.addcmul(grad_sum, mean.to(_F64), grad_sumsq, value=2.0).to(dtype)
+    grad = grad_alias.to(dtype) + (x.to(dtype) - mean.to(dtype).view(shape)) * a.view(shape) + b.view(shape)
+    return grad.to(grad_alias.dtype), a, b
+
+
+def _all_reduce(tensor: Tensor, group_name: Optional[str]) -> Tensor:
+    """The sum over the process group named ``group_name`` inside a compiled region (None: a group of one).
+
+    torch's functional collective, a C++ op that inductor schedules: a region holds one collective, on a payload
+    computed from its input, so there is nothing to merge, hoist or reorder (which is why a user's compiled graph,
+    holding many, takes :func:`syncbn_dist.comm.distributed.ordered_all_reduce` instead).
+    """
+    if group_name is None:
+        return tensor
+    functional = torch.ops._c10d_functional
+    return functional.wait_tensor(functional.all_reduce(tensor, "sum", group_name))
+
+
+def forward_region(
+    x: Tensor, weight: Tensor, bias: Tensor, eps: float, clip: bool, group_name: Optional[str]
+) -> tuple[Tensor, ...]:
+    """One layer's training forward over a process group: payload, all_reduce, normalize. Returns what
+    :func:`normalize` returns (the caller drops ``scale``, returned so that it is stored, not recomputed)."""
+    total = _all_reduce(shard_payload(x), group_name)
+    return normalize(x, total, weight, bias, eps, clip)
+
+
+def backward_region(
+    dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, var: Tensor, count: Tensor, eps: float, clip: bool,
+    group_name: Optional[str], need_input: bool,
+) -> tuple[Optional[Tensor], ...]:
+    """One layer's backward over a process group: local reductions, all_reduce, grad_input. Returns
+    ``(grad_input or None, sum(dy * x_hat), sum(dy), *coefficients)``: the parameter gradients are the local sums
+    (DistributedDataParallel averages them, as with ``torch.nn.SyncBatchNorm``), and :func:`grad_input`'s
+    per-channel coefficients are returned so that they are stored, not recomputed."""
+    local = grad_reductions(dy, x, mean, var, eps)
+    sum_dy, sum_dy_xhat = local.chunk(2)
+    # The collective runs whether or not grad_input is needed: every member sends the same collectives.
+    total = _all_reduce(local, group_name)
+    if not need_input:
+        return None, sum_dy_xhat, sum_dy
+    dx, *coefficients = grad_input(dy, x, weight, mean, var, count, total, eps, clip)
+    return (dx, sum_dy_xhat, sum_dy, *coefficients)
+
+
+def _outside_ddp_forward(compiled: Callable[..., Any], *args: Any) -> Any:
+    """Call ``compiled`` with DistributedDataParallel's active module cleared.
+
+    Inside a DDP forward, Dynamo takes any compilation for the DDP model's and splits its graph at DDP's gradient
+    buckets (``optimize_ddp``), which fails on a kernel ("First bucket should be smaller/equal to other buckets").
+    The class attribute is what Dynamo reads (``DistributedDataParallel._get_active_ddp_module``); setting it costs
+    nothing, where ``torch._dynamo.config.patch(optimize_ddp=False)`` costs 27 µs a call.
+    """
+    active = DistributedDataParallel._active_ddp_module
+    if active is None:
+        return compiled(*args)
+    DistributedDataParallel._active_ddp_module = None
+    try:
+        return compiled(*args)
+    finally:
+        DistributedDataParallel._active_ddp_module = active
+
+
+class _CompiledKernel:
+    """``torch.compile(fn, dynamic=True, fullgraph=True)`` per signature (:func:`_signature`), built on first use.
+
+    Each signature compiles a copy of ``fn``'s code object, so each has its own Dynamo cache and recompilation
+    limit (a process that meets many dtypes and layouts would exhaust a single one); a lock around the first call
+    of a signature makes replica threads that meet it together compile it once.
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, x: Tensor, *args: Any, key: tuple[Any, ...] = ()) -> Any:
+        signature = (x.device.type, x.dtype, x.stride(1) == 1, x.size(0) == 1, x.size(2) == 1, *key)
+        compiled = self.compiled.get(signature)
+        if compiled is not None:
+            return _outside_ddp_forward(compiled, x, *args)
+        with self.lock:
+            compiled = self.compiled.get(signature)
+            if compiled is None:
+                fn = self.fn
+                copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
+                compiled = torch.compile(copy, dynamic=True, fullgraph=True)
+            result = _outside_ddp_forward(compiled, x, *args)
+            self.compiled[signature] = compiled
+            return result
+
+    def graphs(self) -> int:
+        """How many signatures this kernel compiled in this process."""
+        return len(self.compiled)
+
+
+_forward_region = _CompiledKernel(forward_region)
+_backward_region = _CompiledKernel(backward_region)
+_shard_payload = _CompiledKernel(shard_payload)
+_normalize = _CompiledKernel(normalize)
+_scaled_grad_and_reductions = _CompiledKernel(scaled_grad_and_reductions)
+_payload_grad = _CompiledKernel(payload_grad)
+COMPILED_KERNELS = (
+    _forward_region, _backward_region, _shard_payload, _normalize, _scaled_grad_and_reductions, _payload_grad
+)
+
+
+# The entry points of syncbn_dist.functions. Each views the layer's (N, C, *) tensors as (N, C, L), so that every
+# rank shares one compiled graph per dtype and layout (channels_last flattens to channels-innermost (N, C, L)), and
+# passes the affine parameters in the statistics dtype, ones and zeros standing for absent ones.
+
+
+def _as_3d(t: Tensor) -> Tensor:
+    return t.unsqueeze(2) if t.dim() == 2 else t.flatten(2)
+
+
+def _in_shape_of(t: Tensor, input: Tensor) -> Tensor:
+    """``t`` (N, C, L) in ``input``'s shape, as a tensor of its own on the same storage rather than a view: autograd
+    forbids modifying a view made inside a custom Function in place (an inplace ReLU after the layer)."""
+    view = t.view(input.shape)
+    return t.new_empty(0).set_(t.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+
+
+def _affine(param: Optional[Tensor], x: Tensor, fill: float) -> Tensor:
+    """The parameter as a plain tensor in the statistics dtype (Dynamo would guard a Parameter's type and shape)."""
+    dtype = _stat_dtype(x)
+    return x.new_full((x.size(1),), fill, dtype=dtype) if param is None else param.detach().to(dtype)
+
+
+def layer_forward(
+    input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, clip: bool,
+    group_name: Optional[str],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The training forward over the process group ``group_name`` (None: a group of one) in one compiled region.
+
+    Returns ``(output, mean, unbiased_var, var, count)`` as ``syncbn_dist.functions._SyncBatchNormFunction``'s
+    forward does: the output in the input's shape, dtype and memory format; the statistics in the statistics dtype
+    (``var`` the normalizing variance); the (1,) float64 global count.
+    """
+    x = _as_3d(input)
+    y, mean, unbiased_var, var, count, _ = _forward_region(
+        x, _affine(weight, x, 1.0), _affine(bias, x, 0.0), eps, clip, group_name, key=(clip, group_name)
+    )
+    return _in_shape_of(y, input), mean, unbiased_var, var, count
+
+
+def layer_backward(
+    grad_output: Tensor, input: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, count: Tensor,
+    eps: float, clip: bool, group_name: Optional[str], need_input: bool,
+) -> tuple[Optional[Tensor], Tensor, Tensor]:
+    """The backward of :func:`layer_forward` in one compiled region; ``grad_output`` in the input's memory format.
+
+    Returns ``(grad_input or None, sum(dy * x_hat), sum(dy))``, the last two (C,) float64 local sums.
+    """
+    x = _as_3d(input)
+    dx, sum_dy_xhat, sum_dy, *_ = _backward_region(
+        _as_3d(grad_output), x, _affine(weight, x, 1.0), mean, var, count, eps, clip, group_name, need_input,
+        key=(clip, group_name, need_input),
+    )
+    return None if dx is None else _in_shape_of(dx, input), sum_dy_xhat, sum_dy
+
+
+def payload(input: Tensor) -> Tensor:
+    """:func:`shard_payload` compiled: the (2C + 1,) float64 ``[sum(x), sum(x**2), count]`` of one shard."""
+    return _shard_payload(_as_3d(input))
+
+
+def normalized(
+    input: Tensor, total: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, clip: bool
+) -> Tensor:
+    """:func:`normalize` compiled: the output in the input's shape, dtype and memory format."""
+    x = _as_3d(input)
+    y = _normalize(x, total, _affine(weight, x, 1.0), _affine(bias, x, 0.0), eps, clip, key=(clip,))[0]
+    return _in_shape_of(y, input)
+
+
+def scaled_grad(
+    grad_output: Tensor, input: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`scaled_grad_and_reductions` compiled: ``(weight * invstd * dy, sum(dy), sum(dy * x_hat))``, the sums
+    (C,) float64; ``grad_output`` in the input's memory format."""
+    x = _as_3d(input)
+    scaled, reductions, _ = _scaled_grad_and_reductions(
+        _as_3d(grad_output), x, _affine(weight, x, 1.0), mean, var, eps
+    )
+    sum_dy, sum_dy_xhat = reductions.chunk(2)
+    return _in_shape_of(scaled, input), sum_dy, sum_dy_xhat
+
+
+def grad_through_payload(
+    grad_alias: Tensor, input: Tensor, grad_sum: Tensor, grad_sumsq: Tensor, mean: Tensor
+) -> Tensor:
+    """:func:`payload_grad` compiled; ``grad_alias`` in the input's memory format."""
+    return _in_shape_of(_payload_grad(_as_3d(grad_alias), _as_3d(input), grad_sum, grad_sumsq, mean)[0], input)

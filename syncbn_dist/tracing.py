@@ -1,0 +1,42 @@
+"""Whether the running code is being traced by ``torch.compile``, per thread.
+
+``torch.compiler.is_compiling()`` reads one process-wide flag that Dynamo holds for the whole of a compilation. A
+DataParallel replica thread that compiles a kernel (:mod:`syncbn_dist.kernels`) for a new shape therefore makes it
+True in the other replica threads, which are running the layer eagerly at the same time, and would send them down the
+traced-graph branches (agreement checks at trace time, in-graph assertions). :func:`is_compiling` is the flag for
+the layer's own code: False in a thread that runs a replica's eager forward (:func:`eager_replica_thread`), whose
+code ``torch.compile`` never traces, and the flag elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["eager_replica_thread", "is_compiling"]
+
+_thread = threading.local()
+
+
+@torch.compiler.assume_constant_result
+def is_compiling() -> bool:
+    """``torch.compiler.is_compiling()``, except in a DataParallel replica thread's eager forward (always False).
+
+    Dynamo evaluates it once while tracing (``assume_constant_result``: the tracing thread is never inside a
+    replica's eager forward, so it is True there) instead of tracing the thread-local read.
+    """
+    return torch.compiler.is_compiling() and not getattr(_thread, "eager_replica", False)
+
+
+@contextlib.contextmanager
+def eager_replica_thread() -> Iterator[None]:
+    """Mark this thread as running a replica's eager forward, for the duration of the block (re-entrant)."""
+    previous = getattr(_thread, "eager_replica", False)
+    _thread.eager_replica = True
+    try:
+        yield
+    finally:
+        _thread.eager_replica = previous
