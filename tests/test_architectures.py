@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import WORLD_SIZES_AND_KERNELS
 from resnet import resnet
 from torch import Tensor, nn
 
@@ -140,15 +141,17 @@ def _worker(rank: int, world_size: int) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_resnet_under_ddp_fsdp2_and_processes_times_replicas_equals_float64_batchnorm(world_size: int) -> None:
+@pytest.mark.parametrize("world_size, kernel_mode", WORLD_SIZES_AND_KERNELS, indirect=["kernel_mode"])
+def test_resnet_under_ddp_fsdp2_and_processes_times_replicas_equals_float64_batchnorm(
+    world_size: int, kernel_mode: str
+) -> None:
     run_distributed(_worker, world_size, timeout=240)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("one_intra_op_thread")
 @pytest.mark.parametrize("cpu_replicas", [3])
-def test_resnet_under_data_parallel_cpu_replicas_equals_float64_batchnorm(cpu_replicas: int) -> None:
+def test_resnet_under_data_parallel_cpu_replicas_equals_float64_batchnorm(cpu_replicas: int, kernel_mode: str) -> None:
     model = _converted()
     parallel = DataParallelWithCallback(model, cpu_replicas=cpu_replicas)
     # World size 1: the whole batch of 10 rows, scattered by DataParallel into chunks of 4, 4 and 2.

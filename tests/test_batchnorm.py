@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from closeness import assert_close
+from conftest import WORLD_SIZES_AND_KERNELS
 from torch import Tensor, nn
 
 from launch.common.spawn import run_distributed
@@ -552,8 +553,8 @@ def _worker_all_sections(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_sync_batchnorm_over_gloo(world_size: int) -> None:
+@pytest.mark.parametrize("world_size, kernel_mode", WORLD_SIZES_AND_KERNELS, indirect=["kernel_mode"])
+def test_sync_batchnorm_over_gloo(world_size: int, kernel_mode: str) -> None:
     """Global-batch equality, eval without communication, errors on every rank, DDP training parity.
 
     A failing section names itself (and the case) in the worker's traceback; a section that hangs is ended

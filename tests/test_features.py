@@ -299,7 +299,7 @@ def test_mixed_precision_local_matches_float64_batchnorm(precision: str) -> None
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-def test_mixed_precision_dataparallel_matches_float64_batchnorm(precision: str) -> None:
+def test_mixed_precision_dataparallel_matches_float64_batchnorm(precision: str, kernel_mode: str) -> None:
     model = _conv_bn(precision)
     wrapped = DataParallelWithCallback(model, cpu_replicas=2)
     record = _mixed_precision_steps(precision, model, wrapped, _local_batches(DP_BATCHES))
@@ -682,7 +682,9 @@ def test_checkpoint_local_updates_running_stats_once_and_matches(momentum: float
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_checkpoint_dataparallel_updates_running_stats_once_and_matches(momentum: float | None) -> None:
+def test_checkpoint_dataparallel_updates_running_stats_once_and_matches(
+    momentum: float | None, kernel_mode: str
+) -> None:
     block = _block(momentum)
     plain_block = copy.deepcopy(block)
     batches = _checkpoint_batches(DP_BATCHES + [5])
@@ -942,16 +944,21 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_distributed_features() -> None:
+def test_distributed_features(kernel_mode: str) -> None:
     """One launch (start-up is the expensive part); each part names itself in its assertion messages."""
     results = run_distributed(_worker, 2, timeout=240)
     for precision in PRECISIONS:
         _check_mixed_precision(precision, [r["mixed"][precision] for r in results], "distributed")
         # Every rank, the empty one included, sends the same payloads: float64 [count, sum(C), sumsq(C)]
         # forward, float64 [sum(dy), sum(dy * x_hat)] backward, one all_reduce each per step.
-        payloads = [r["payloads"][precision] for r in results]
-        assert payloads[0] == payloads[1], f"{precision}: payloads differ across ranks: {payloads}"
-        assert payloads[0] == [("torch.float64", 1 + 2 * C), ("torch.float64", 2 * C)] * len(DIST_SPLITS), payloads
+        # The compiled kernels' collective is torch's functional all_reduce inside the compiled region, which the
+        # Python wrapper cannot see. Ranks sending different collectives would hang or leave wrong statistics, and
+        # the steps above equal the reference with the empty rank on the native path and the other compiled.
+        if kernel_mode == "native":
+            payloads = [r["payloads"][precision] for r in results]
+            assert payloads[0] == payloads[1], f"{precision}: payloads differ across ranks: {payloads}"
+            expected = [("torch.float64", 1 + 2 * C), ("torch.float64", 2 * C)] * len(DIST_SPLITS)
+            assert payloads[0] == expected, payloads
     for ndim in MEMORY_FORMAT_CASES:
         _check_memory_format(ndim, [r["memory_format"][ndim] for r in results], "distributed")
     for momentum in (0.1, None):

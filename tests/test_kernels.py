@@ -1,0 +1,270 @@
+"""The kernel switch and the compiled kernels (syncbn_dist.kernels).
+
+- The switch: ``set_kernels`` and ``SYNCBN_DIST_KERNELS`` accept only the three modes; "auto" without a C++
+  compiler warns once, names why, and runs the native kernels (bit for bit); "compiled" raises instead.
+- Replica threads meeting a new signature together compile it once, and their results are exact.
+- Compilation does not grow with the layers or the batch: a DDP model (whose forward the kernels' first compilation
+  runs in) and ResNet-50's 53 BatchNorm layers over three batch sizes, over gloo, compile one graph per direction,
+  and every output and gradient equals float64 ``nn.BatchNorm`` on the global batch; under a user's
+  ``torch.compile`` the kernels are not called.
+- An inplace activation after the layer trains as on the native kernels (the output is not a view).
+
+Exactness on every path is also asserted by the existing suites, parametrized over both kernel sets with the
+``kernel_mode`` fixture (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from closeness import assert_close
+from torch import Tensor, nn
+
+from launch.common.spawn import run_distributed
+from syncbn_dist import (
+    DataParallelWithCallback,
+    SyncBatchNorm,
+    SynchronizedBatchNorm2d,
+    SynchronizedBatchNorm3d,
+    get_kernels,
+    kernels,
+    set_kernels,
+)
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """New compiled-kernel objects (nothing compiled yet in this process) and the mode taken from the environment."""
+    monkeypatch.setattr(kernels, "_mode", None)
+    for name, kernel in vars(kernels).copy().items():
+        if isinstance(kernel, kernels._CompiledKernel):
+            monkeypatch.setattr(kernels, name, kernels._CompiledKernel(kernel.fn))
+
+
+@pytest.mark.parametrize("bad", ["fast", "", None, "Compiled"])
+def test_set_kernels_rejects_unknown_modes(bad: Any) -> None:
+    with pytest.raises(ValueError, match="set_kernels: expected one of 'auto', 'compiled', 'native'"):
+        set_kernels(bad)
+
+
+def test_environment_selects_the_mode_and_set_kernels_overrides_it(
+    monkeypatch: pytest.MonkeyPatch, fresh_kernels: None
+) -> None:
+    monkeypatch.setenv(kernels.KERNELS_ENV, "compiled")
+    assert get_kernels() == "compiled"
+    monkeypatch.setenv(kernels.KERNELS_ENV, "fast")
+    with pytest.raises(ValueError, match="SYNCBN_DIST_KERNELS: expected one of"):
+        get_kernels()
+    set_kernels("native")
+    assert get_kernels() == "native"
+
+
+def _clip_layer_step(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One training step of a clip-mode layer with no peers: the compiled path's region with no collective."""
+    layer = SyncBatchNorm(x.size(1))
+    layer.eps_mode = "clip"
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    out.backward(torch.linspace(-1.0, 1.0, out.numel()).view_as(out))
+    return out.detach(), x.grad, layer.running_var
+
+
+def test_auto_without_a_compiler_warns_once_and_runs_native(
+    monkeypatch: pytest.MonkeyPatch, fresh_kernels: None
+) -> None:
+    x = torch.randn(6, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setenv(kernels.KERNELS_ENV, "native")
+    native = _clip_layer_step(x)
+    # inductor's own compiler search finds nothing: the real detection path, not a stub of it.
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("syncbn-dist-no-such-c++",))
+    kernels._missing_compiler.cache_clear()
+    kernels._warn_fallback.cache_clear()
+    try:
+        monkeypatch.setenv(kernels.KERNELS_ENV, "auto")
+        with pytest.warns(RuntimeWarning, match="compiled batch-norm kernels unavailable .*no C\\+\\+ compiler"):
+            fallback = _clip_layer_step(x)
+        with warnings_as_errors():  # once per process, not once per call
+            again = _clip_layer_step(x)
+        for a, b, c in zip(native, fallback, again):
+            assert torch.equal(a, b) and torch.equal(a, c)
+        assert all(kernel.graphs() == 0 for kernel in kernels.COMPILED_KERNELS)
+        monkeypatch.setenv(kernels.KERNELS_ENV, "compiled")
+        with pytest.raises(RuntimeError, match="set_kernels\\('compiled'\\): inductor finds no C\\+\\+ compiler"):
+            _clip_layer_step(x)
+    finally:
+        kernels._missing_compiler.cache_clear()
+        kernels._warn_fallback.cache_clear()
+
+
+class warnings_as_errors:
+    """``warnings.catch_warnings`` turning every warning into an error (a second fallback warning would fail)."""
+
+    def __enter__(self) -> None:
+        import warnings
+
+        self._context = warnings.catch_warnings()
+        self._context.__enter__()
+        warnings.simplefilter("error")
+
+    def __exit__(self, *exc: Any) -> None:
+        self._context.__exit__(*exc)
+
+
+def test_replica_threads_compile_a_new_signature_once_and_agree(
+    monkeypatch: pytest.MonkeyPatch, fresh_kernels: None
+) -> None:
+    """Four threads call the payload kernel on a new signature at once (a barrier releases them together)."""
+    monkeypatch.setenv(kernels.KERNELS_ENV, "compiled")
+    gen = torch.Generator().manual_seed(3)
+    shards = [torch.randn(n, 5, 7, generator=gen) * 0.5 + 1e4 for n in (3, 2, 4, 5)]
+    barrier = threading.Barrier(len(shards))
+    results: list[Any] = [None] * len(shards)
+
+    def run(i: int) -> None:
+        barrier.wait()
+        results[i] = kernels.payload(shards[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(shards))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert kernels._shard_payload.graphs() == 1
+    for shard, payload in zip(shards, results):
+        x = shard.double()
+        expected = torch.cat([x.sum([0, 2]), x.square().sum([0, 2]), torch.tensor([x.numel() / x.size(1)])])
+        # float64 sums of float32 values about a shift: exact to float64 rounding of the O(n * 1e8) sum of squares.
+        assert_close(payload, expected, "payload", rtol=1e-14, atol=0.0)
+
+
+@pytest.mark.parametrize("path", ["region", "replicas"])
+def test_an_inplace_activation_after_the_layer_trains_as_on_the_native_kernels(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled output is a tensor of its own, not a view (autograd forbids modifying a view made inside a custom
+    Function in place): conv -> layer -> ReLU(inplace=True), on the region path (clip mode, no peers) and through
+    DataParallel replicas, equals the native kernels' step."""
+    results = []
+    for mode in ("native", "compiled"):
+        monkeypatch.setenv(kernels.KERNELS_ENV, mode)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), SyncBatchNorm(4), nn.ReLU(inplace=True))
+        model[1].eps_mode = "clip" if path == "region" else None
+        runner = model if path == "region" else DataParallelWithCallback(model, cpu_replicas=2)
+        x = torch.randn(6, 3, 7, 7, generator=torch.Generator().manual_seed(1))
+        runner(x).square().sum().backward()
+        results.append([model[0].weight.grad, model[1].weight.grad, model[1].running_var])
+    for native, compiled, what in zip(*results, ["conv weight grad", "layer weight grad", "running_var"]):
+        # Two float32 kernel sets over 150 values per channel: a few ulps of the O(100) sums of squares.
+        assert_close(compiled, native, what, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ndim", [4, 5])
+def test_compiled_replicas_keep_channels_last_and_equal_float64_batchnorm(
+    ndim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DataParallel replicas on the compiled kernels: outputs and input gradients keep the channels-last layout
+    (no dispatch mode watching, which would send the layer to the native ops), with global-batch values."""
+    monkeypatch.setenv(kernels.KERNELS_ENV, "compiled")
+    fmt = torch.channels_last if ndim == 4 else torch.channels_last_3d
+    layer = (SynchronizedBatchNorm2d if ndim == 4 else SynchronizedBatchNorm3d)(3)
+    reference = (nn.BatchNorm2d if ndim == 4 else nn.BatchNorm3d)(3, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(5)
+    x_global = (torch.randn(7, 3, *[4] * (ndim - 2), generator=gen) * 3.0 + 1e3).double()
+    dy_global = torch.randn(x_global.shape, generator=gen, dtype=torch.float64)
+    parallel = DataParallelWithCallback(layer, cpu_replicas=2)
+    x = x_global.float().contiguous(memory_format=fmt).requires_grad_()
+    out = parallel(x)
+    out.backward(dy_global.float().contiguous(memory_format=fmt))
+    x_ref = x_global.clone().requires_grad_()
+    reference(x_ref).backward(dy_global)
+    assert out.is_contiguous(memory_format=fmt) and x.grad.is_contiguous(memory_format=fmt)
+    # |x| / std ~ 330: the float32 input and mean are 2^-24 * 330 off in normalized units, times a few roundings.
+    assert_close(out, F.batch_norm(x_global, None, None, training=True), "output", rtol=0.0, atol=1e-4)
+    assert_close(x.grad, x_ref.grad, "grad_input", rtol=0.0, atol=1e-4)
+    assert_close(layer.running_var, reference.running_var, "running_var", rtol=1e-6, atol=0.0)
+
+
+# ResNet-50's BatchNorm layers (torchvision's resnet50: the stem, then 3, 4, 6, 3 bottlenecks of
+# (width, width, 4 * width) with a downsample BatchNorm in each stage's first block) at a 64 x 64 input.
+def _resnet50_batchnorm_shapes() -> list[tuple[int, int]]:
+    shapes = [(64, 32)]
+    for blocks, width, size in [(3, 64, 16), (4, 128, 8), (6, 256, 4), (3, 512, 2)]:
+        for block in range(blocks):
+            shapes += [(width, size), (width, size), (4 * width, size)]
+            if block == 0:
+                shapes.append((4 * width, size))
+    return shapes
+
+
+_BATCHES = [[2, 3], [3, 0], [4, 5]]  # per rank, three global batch sizes, one with an empty rank
+
+
+def _first_compile_inside_ddp(rank: int) -> None:
+    """The kernels' first compilation happens inside a DistributedDataParallel forward (small buckets, as a real
+    model's), which Dynamo would otherwise take for the DDP model's own and split at the buckets."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), SynchronizedBatchNorm2d(8), nn.Conv2d(8, 8, 3), SynchronizedBatchNorm2d(8)
+    )
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
+    ddp(torch.randn(3 + rank, 3, 9, 9)).sum().backward()
+
+
+def _worker_resnet50_compile_count(rank: int, world_size: int) -> dict[str, Any]:
+    set_kernels("compiled")
+    _first_compile_inside_ddp(rank)
+    before = {kernel.fn.__name__: kernel.graphs() for kernel in kernels.COMPILED_KERNELS}
+    assert before["forward_region"] == 1 and before["backward_region"] == 1, before
+    shapes = _resnet50_batchnorm_shapes()
+    layers = [SynchronizedBatchNorm2d(c) for c, _ in shapes]
+    references = [nn.BatchNorm2d(c, dtype=torch.float64) for c, _ in shapes]
+    worst = 0.0
+    for step, split in enumerate(_BATCHES):
+        for index, ((c, size), layer, reference) in enumerate(zip(shapes, layers, references)):
+            gen = torch.Generator().manual_seed(1000 * step + index)
+            x_global = (torch.randn(sum(split), c, size, size, generator=gen) * 2.0 + 3.0).double()
+            dy_global = torch.randn(x_global.shape, generator=gen, dtype=torch.float64)
+            rows = slice(sum(split[:rank]), sum(split[: rank + 1]))
+            x = x_global[rows].float().requires_grad_()
+            out = layer(x)
+            out.backward(dy_global[rows].float())
+            x_ref = x_global.clone().requires_grad_()
+            reference(x_ref).backward(dy_global)
+            expected_out = F.batch_norm(x_global, None, None, training=True)
+            # float32 rounding of centred data with |x|/std ~ 4: a few units of 2^-24 in the normalized values.
+            assert_close(out, expected_out[rows], f"layer {index} output", rtol=0.0, atol=1e-5)
+            assert_close(x.grad, x_ref.grad[rows], f"layer {index} grad_input", rtol=0.0, atol=1e-5)
+            assert_close(layer.running_var, reference.running_var, f"layer {index} running_var", rtol=1e-6, atol=0.0)
+            worst = max(worst, (out.double() - expected_out[rows]).abs().max().item() if out.numel() else 0.0)
+    graphs = {kernel.fn.__name__: kernel.graphs() for kernel in kernels.COMPILED_KERNELS}
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    # Under a user's torch.compile the layer's ops are traced into the user's graph: the kernels are not called.
+    model = torch.compile(nn.Sequential(nn.Conv2d(3, 4, 3), SynchronizedBatchNorm2d(4)), backend="aot_eager")
+    model(torch.randn(3, 3, 6, 6)).sum().backward()
+    after = {kernel.fn.__name__: kernel.graphs() for kernel in kernels.COMPILED_KERNELS}
+    return {"layers": len(shapes), "graphs": graphs, "frames": frames, "after_user_compile": after, "worst": worst}
+
+
+def test_resnet50_layers_over_three_batch_sizes_compile_one_graph_per_direction() -> None:
+    """The first graphs are compiled inside a DDP forward; the 53 layers at 3 batch sizes reuse them."""
+    results = run_distributed(_worker_resnet50_compile_count, 2, timeout=300)
+    for result in results:
+        assert result["layers"] == 53
+        assert result["graphs"] == {
+            "forward_region": 1,
+            "backward_region": 1,
+            "shard_payload": 0,
+            "normalize": 0,
+            "scaled_grad_and_reductions": 0,
+            "payload_grad": 0,
+        }
+        assert result["frames"] == 2  # Dynamo compiled two frames in all: no recompilation either
+        assert result["after_user_compile"] == result["graphs"]
