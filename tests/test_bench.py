@@ -89,6 +89,7 @@ TINY_BENCH = {
         "repeats": 2,
         "profile_top": 3,
         "timeout_s": 60,
+        "compile_cost": False,  # two more processes that compile: make bench measures it
     },
 }
 
@@ -204,9 +205,13 @@ def test_bench_runs_end_to_end_and_writes_json_markdown_png(tmp_path: Path) -> N
         moved = c["bytes_per_element"]
         assert moved["syncbn_dist"] >= moved["F.batch_norm"] >= 20.0, moved
         assert moved["torch SyncBatchNorm CUDA (model)"] == 32.0, moved
+        # The compiled kernels, counted by inductor: at least x in forward and dy, x, dx in backward.
+        assert moved["syncbn_dist compiled"] >= 16.0, moved
+        assert c["compiled_ratio"] > 0
 
     table = (out / "performance.md").read_text()
     assert "| config | W | backend | (a) | (b) | (f) |" in table and "| P6 |" in table and "| P8 |" in table
+    assert "| K1 |" in table and "| K3 |" in table
     assert "syncbn_dist B/elem" in table
     assert table in proc.stdout  # the table is printed too
     assert (out / "performance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -69,6 +69,8 @@ class ScenarioConfig:
     profile: bool = True
     profile_top: int = positive(10)
     timeout_s: float = positive(300.0)
+    # The first call of the compiled kernels in a new process, cold and warm inductor cache (two subprocesses).
+    compile_cost: bool = True
 
 
 @dataclass
@@ -90,6 +92,8 @@ class MicroConfig:
     profile: bool = True
     profile_top: int = positive(10)
     timeout_s: float = positive(300.0)
+    # The first call of the compiled kernels in a new process, cold and warm inductor cache (two subprocesses).
+    compile_cost: bool = True
 
 
 @dataclass

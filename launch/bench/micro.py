@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
 from launch.common.counting import count_layer
+from syncbn_dist import kernels
 from syncbn_dist.comm import DistributedTransport
 from syncbn_dist.functions import sync_batch_norm
 
@@ -30,6 +31,11 @@ _MOMENTUM = 0.1
 _EPS = 1e-5
 # References that may be missing or fail on some device/dtype; F.batch_norm and syncbn_dist must run.
 _OPTIONAL = ("torch SyncBatchNorm fn",)
+# The baseline of the compiled kernels' targets: F.batch_norm plus syncbn_dist's two collectives.
+F_BATCH_NORM_WITH_COLLECTIVES = "F.batch_norm + collectives"
+COMPILED = "syncbn_dist compiled"
+# Variants whose kernels run inside a compiled graph: the op and byte counters (dispatch modes) cannot see them.
+_UNCOUNTED = (COMPILED,)
 # torch.nn.SyncBatchNorm's CUDA kernels touch each activation element 8 times at their interface: forward
 # batch_norm_stats reads x (1) and batch_norm_elemt reads x and writes y (2); backward batch_norm_backward_reduce
 # reads dy and x (2) and batch_norm_backward_elemt reads dy and x and writes dx (3). Per-channel tensors and the
@@ -37,6 +43,33 @@ _OPTIONAL = ("torch SyncBatchNorm fn",)
 # one collective per direction (statistics before normalizing, reductions before dx).
 TORCH_SYNCBN_CUDA_ACCESSES_PER_ELEMENT = 8
 TORCH_SYNCBN_MODEL = "torch SyncBatchNorm CUDA (model)"
+
+
+class _SameCollectives(torch.autograd.Function):
+    """Identity on the output of F.batch_norm that sends syncbn_dist's two collectives: (2C + 1,) float64 in forward,
+    (2C,) float64 in backward (dummy payloads)."""
+
+    @staticmethod
+    def forward(ctx: Any, output: Tensor) -> Tensor:
+        num_features = output.size(1)
+        dist.all_reduce(output.new_zeros(2 * num_features + 1, dtype=torch.float64))
+        ctx.num_features = num_features
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        dist.all_reduce(grad.new_zeros(2 * ctx.num_features, dtype=torch.float64))
+        return grad
+
+
+def _with_kernels(mode: str, fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """``fn`` run with ``syncbn_dist.set_kernels(mode)`` (forward and the backward that follows)."""
+
+    def run(x: Tensor) -> Tensor:
+        kernels.set_kernels(mode)
+        return fn(x)
+
+    return run
 
 
 class _Case:
@@ -60,13 +93,19 @@ class _Case:
 
     def variants(self) -> dict[str, Callable[[Tensor], Tensor]]:
         transport = DistributedTransport(None)
-        found: dict[str, Callable[[Tensor], Tensor]] = {
-            "F.batch_norm": lambda x: F.batch_norm(
-                x, self.running_mean, self.running_var, self.weight, self.bias, True, _MOMENTUM, _EPS
-            ),
-            "syncbn_dist": lambda x: sync_batch_norm(
+        def plain(x: Tensor) -> Tensor:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True, _MOMENTUM, _EPS)
+
+        def synchronized(x: Tensor) -> Tensor:
+            return sync_batch_norm(
                 x, self.weight, self.bias, self.running_mean, self.running_var, _MOMENTUM, _EPS, transport
-            ),
+            )
+
+        found: dict[str, Callable[[Tensor], Tensor]] = {
+            "F.batch_norm": plain,
+            F_BATCH_NORM_WITH_COLLECTIVES: lambda x: _SameCollectives.apply(plain(x)),
+            "syncbn_dist": _with_kernels("native", synchronized),
+            COMPILED: _with_kernels("compiled", synchronized),
         }
         if self.device.type == "cuda":
             from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNormFunction
@@ -134,17 +173,21 @@ def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str,
                 medians = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
                 ops, bytes_per_element = {}, {}
                 for name, fn in fns.items():
+                    if name in _UNCOUNTED:
+                        continue
                     op_counter, byte_counter = count_layer(fn, case.x, case.dy, [case.weight, case.bias])
                     ops[name] = op_counter.total
                     bytes_per_element[name] = round(byte_counter.total / case.x.numel(), 2)
                 bytes_per_element[TORCH_SYNCBN_MODEL] = TORCH_SYNCBN_CUDA_ACCESSES_PER_ELEMENT * case.x.element_size()
                 ratio = medians["syncbn_dist"] / medians["F.batch_norm"]
+                bytes_per_element[COMPILED] = compiled_bytes_per_element(case.x)
                 entry = {
                     "shape": list(shape),
                     "dtype": dtype_name,
                     "memory_format": memory_format,
                     "median_ms": {name: 1e3 * m for name, m in medians.items()},
                     "ratio": ratio,
+                    "compiled_ratio": medians[COMPILED] / medians[F_BATCH_NORM_WITH_COLLECTIVES],
                     "ops": ops,
                     "bytes_per_element": bytes_per_element,
                     "errors": errors,
@@ -159,6 +202,7 @@ def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str,
             "case": {k: entry[k] for k in ("shape", "dtype", "memory_format")},
             "ops": {name: _top_ops(case, fn, 5, micro["profile_top"]) for name, fn in fns.items()},
         }
+    kernels.set_kernels("native")
     return {
         "backend": dist.get_backend(),
         "device": "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device),
@@ -166,3 +210,25 @@ def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str,
         "cases": cases,
         "profile": profiles,
     }
+
+
+def compiled_bytes_per_element(x: Tensor) -> float:
+    """Bytes the compiled kernels of one layer's forward + backward access per element of ``x`` (inductor's
+    ``torch._inductor.metrics.num_bytes_accessed``, from a fresh compilation of both regions: new kernel objects,
+    the FX graph and AOT autograd caches off); no collective in the regions, which changes no kernel."""
+    from torch._inductor import config, metrics
+
+    forward = kernels._CompiledKernel(kernels.forward_region)
+    backward = kernels._CompiledKernel(kernels.backward_region)
+    x3 = kernels._as_3d(x.detach())
+    weight = torch.ones(x.size(1), dtype=kernels._stat_dtype(x))
+    torch._logging.set_logs(inductor_metrics=True)  # inductor counts bytes only while this log is on
+    try:
+        with config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+            metrics.reset()
+            _, mean, _, var, count, _ = forward(x3, weight, weight * 0, _EPS, False, None, key=("bytes",))
+            backward(torch.ones_like(x3), x3, weight, mean, var, count, _EPS, False, None, True, key=("bytes",))
+            accessed = metrics.num_bytes_accessed
+    finally:
+        torch._logging.set_logs()
+    return round(accessed / x.numel(), 2)

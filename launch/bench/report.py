@@ -252,8 +252,37 @@ def markdown(summary: dict[str, Any]) -> str:
             "and result of every dispatched op spans; views 0; non-leaf input, autograd.grad for input, weight "
             "and bias); a kernel's internal passes are not seen (CPU native_batch_norm reads x twice). The torch "
             "SyncBatchNorm CUDA column is a model, not a measurement: its four kernels touch each element 8 times "
-            "(launch/bench/micro.py).",
+            "(launch/bench/micro.py). F.batch_norm + collectives: F.batch_norm plus syncbn_dist's two collectives "
+            "(dummy payloads), the baseline of K1. syncbn_dist runs the native kernels, syncbn_dist compiled the "
+            "compiled ones (syncbn_dist.kernels); the op counter cannot see inside a compiled graph, and the "
+            "compiled column's B/elem is inductor's num_bytes_accessed of its kernels in a fresh compilation.",
         ]
+        rows = [
+            [str(tuple(c["shape"])), c["dtype"], c["memory_format"], fmt(c.get("compiled_ratio"), ".2f"),
+             fmt(c["median_ms"]["syncbn_dist"] / c["median_ms"]["F.batch_norm + collectives"], ".2f")]
+            for c in micro["cases"] if "F.batch_norm + collectives" in c["median_ms"]
+        ]
+        out += ["", "### Compiled kernels against F.batch_norm + the same collectives (K1)", ""]
+        out += _table(["shape", "dtype", "format", "compiled / baseline", "native / baseline"], rows)
+        out += [
+            "",
+            "On CUDA the compiled kernels are the same source, compiled to Triton; nothing of it has run on a GPU. A GPU "
+            "run (`make bench ARGS=\"device=cuda\"`, `SYNCBN_DIST_KERNELS=compiled .venv/bin/python -m pytest -m gpu "
+            "tests`) must confirm: the gpu tests pass on the compiled kernels (exactness, NCCL's functional all_reduce "
+            "inside the regions); K1 against F.batch_norm plus the collectives and beside torch.nn.SyncBatchNorm's "
+            "CUDA kernels (the microbenchmark times both); K3's 32 and 16 B per element on Triton's kernels; and the "
+            "compile cost, Triton's autotuning included.",
+        ]
+        cost = micro.get("compile_cost")
+        if cost:
+            out += [
+                "",
+                f"Compile cost (launch/bench/compile_cost.py; one layer {tuple(cost['shape'])} {cost['dtype']}, "
+                "forward+backward, a new process each): empty inductor cache: first call "
+                f"{cost['cold']['first_call_s']} s; cache left by that process: first call "
+                f"{cost['warm']['first_call_s']} s; then {cost['warm']['second_call_ms']} ms; graphs compiled per "
+                f"process: {cost['warm']['graphs']} (Dynamo frames {cost['warm']['dynamo_frames']}).",
+            ]
     return "\n".join(out) + "\n"
 
 

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import torch
 
+from launch.bench import compile_cost
 from launch.bench.backend import pick_backend
 from launch.bench.config import (
     README_SECTION,
@@ -122,6 +123,9 @@ def run(cfg: BenchConfig, scenarios: list[ScenarioConfig], command: str) -> dict
             backend=micro_backend,
             threads=cfg.micro.threads,
         )[0]
+        if cfg.micro.compile_cost and micro_backend == "gloo":
+            print("[bench] compiled kernels' compile cost ...", flush=True)
+            micro["compile_cost"] = compile_cost.measure()
     if hasattr(os, "getloadavg"):
         machine["loadavg_end"] = list(os.getloadavg())
     machine["bench_seconds"] = round(time.perf_counter() - started, 1)

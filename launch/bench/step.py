@@ -40,6 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from launch.bench.models import COMPILED_SUFFIX, build_model, build_variant
 from launch.common.counting import CollectiveCounter, OpCounter
+from syncbn_dist import kernels
 
 _MIB = 2.0**20
 _DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
@@ -252,11 +253,16 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
             compile_seconds[name] = time.perf_counter() - warm
             graph_breaks[name] = sum(torch._dynamo.utils.counters["graph_break"].values())
 
+    # Counted on the native kernels: the compiled kernels' collective is torch's functional all_reduce inside a
+    # compiled region, which the counter (a wrapper of torch.distributed) cannot see; it sends the same payloads.
     collectives: dict[str, list[dict[str, Any]]] = {}
+    mode = kernels.get_kernels()
+    kernels.set_kernels("native")
     for name, runner in runners.items():
         with CollectiveCounter() as counter:
             runner.step(counter)
         collectives[name] = counter.calls
+    kernels.set_kernels(mode)
     ops: dict[str, int] = {}
     for name, runner in runners.items():
         with OpCounter() as counter:
