@@ -938,7 +938,8 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
         _wire(_checkpoint_steps(plain_block, plain_block, batches)),
     )
     out["large_count"] = _large_count_check(rank, world_size)
-    out["compile"] = _compile_check(rank)
+    # A user's torch.compile traces the layer's native ops whatever the kernel switch: checked once, natively.
+    out["compile"] = _compile_check(rank) if syncbn_dist.get_kernels() == "native" else None
     return out
 
 
@@ -990,6 +991,9 @@ def test_distributed_features(kernel_mode: str) -> None:
         # Output normalized in float32 and rounded once to float16 (|y| <= ~5: 2^-11 * 5 < 3e-3).
         np.testing.assert_allclose(r["output_sample"], expected, rtol=0.0, atol=4e-3)
     for rank, r in enumerate(results):
+        if kernel_mode == "compiled":
+            assert r["compile"] is None
+            continue
         _check_compiled_equals_eager(r["compile"]["compiled"], r["compile"]["eager"], f"rank {rank}", "distributed")
         # The synchronized path is traced whole: no graph break (tests/test_compile.py covers fullgraph=True).
         breaks = r["compile"]["graph_breaks"]
