@@ -151,7 +151,7 @@ def test_resnet_under_ddp_fsdp2_and_processes_times_replicas_equals_float64_batc
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("one_intra_op_thread")
 @pytest.mark.parametrize("cpu_replicas", [3])
-def test_resnet_under_data_parallel_cpu_replicas_equals_float64_batchnorm(cpu_replicas: int, kernel_mode: str) -> None:
+def test_resnet_under_data_parallel_cpu_replicas_equals_float64_batchnorm(cpu_replicas: int) -> None:
     model = _converted()
     parallel = DataParallelWithCallback(model, cpu_replicas=cpu_replicas)
     # World size 1: the whole batch of 10 rows, scattered by DataParallel into chunks of 4, 4 and 2.

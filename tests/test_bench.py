@@ -90,6 +90,7 @@ TINY_BENCH = {
         "profile_top": 3,
         "timeout_s": 60,
         "compile_cost": False,  # two more processes that compile: make bench measures it
+        "kernel_bytes": False,  # a fresh compilation per case; test_kernels holds the same count to its budget
     },
 }
 
@@ -129,7 +130,8 @@ def test_bench_runs_end_to_end_and_writes_json_markdown_png(tmp_path: Path) -> N
     out = tmp_path / "out"
 
     summary = json.loads((out / "performance.json").read_text())
-    assert [t["id"] for t in summary["targets"]] == ["P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8"]
+    targets = ["P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "K1", "K2", "K3"]
+    assert [t["id"] for t in summary["targets"]] == targets
     assert summary["config"]["scenario_configs"][0]["width"] == WIDTH  # the resolved config is kept
     assert summary["command"] == f"python -m launch.bench.run --config {config} readme={readme}"
     assert read_section(readme, README_SECTION) == readme_tables(summary)  # the README's table is the report's
@@ -205,13 +207,13 @@ def test_bench_runs_end_to_end_and_writes_json_markdown_png(tmp_path: Path) -> N
         moved = c["bytes_per_element"]
         assert moved["syncbn_dist"] >= moved["F.batch_norm"] >= 20.0, moved
         assert moved["torch SyncBatchNorm CUDA (model)"] == 32.0, moved
-        # The compiled kernels, counted by inductor: at least x in forward and dy, x, dx in backward.
-        assert moved["syncbn_dist compiled"] >= 16.0, moved
+        assert "syncbn_dist compiled" not in moved  # kernel_bytes is off
         assert c["compiled_ratio"] > 0
 
     table = (out / "performance.md").read_text()
     assert "| config | W | backend | (a) | (b) | (f) |" in table and "| P6 |" in table and "| P8 |" in table
     assert "| K1 |" in table and "| K3 |" in table
+    assert next(t for t in summary["targets"] if t["id"] == "K3")["detail"] == "not measured"
     assert "syncbn_dist B/elem" in table
     assert table in proc.stdout  # the table is printed too
     assert (out / "performance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

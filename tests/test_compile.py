@@ -138,7 +138,9 @@ def _check_equal(results: Sequence[dict], variants: Sequence[str], backend: str)
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fullgraph_aot_eager_equals_eager(world_size: int) -> None:
-    variants = ["float32", "channels_last", "bfloat16"]
+    # Every variant at world size 2 (uneven and empty shards); world size 3 repeats float32, whose collectives are
+    # the ones that change with more members (the layout and dtype variants change no collective).
+    variants = ["float32", "channels_last", "bfloat16"] if world_size == 2 else ["float32"]
     results = run_distributed(_worker_compiled_equals_eager, world_size, "aot_eager", variants, timeout=280)
     _check_equal(results, variants, "aot_eager")
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from closeness import assert_close
 from torch import Tensor, nn
 
+from launch.bench.micro import compiled_bytes_per_element
 from launch.common.spawn import run_distributed
 from syncbn_dist import (
     DataParallelWithCallback,
@@ -42,9 +43,12 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 def fresh_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """New compiled-kernel objects (nothing compiled yet in this process) and the mode taken from the environment."""
     monkeypatch.setattr(kernels, "_mode", None)
+    fresh = []
     for name, kernel in vars(kernels).copy().items():
         if isinstance(kernel, kernels._CompiledKernel):
-            monkeypatch.setattr(kernels, name, kernels._CompiledKernel(kernel.fn))
+            fresh.append(kernels._CompiledKernel(kernel.fn))
+            monkeypatch.setattr(kernels, name, fresh[-1])
+    monkeypatch.setattr(kernels, "COMPILED_KERNELS", tuple(fresh))
 
 
 @pytest.mark.parametrize("bad", ["fast", "", None, "Compiled"])
@@ -82,7 +86,8 @@ def test_auto_without_a_compiler_warns_once_and_runs_native(
     monkeypatch.setenv(kernels.KERNELS_ENV, "native")
     native = _clip_layer_step(x)
     # inductor's own compiler search finds nothing: the real detection path, not a stub of it.
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("syncbn-dist-no-such-c++",))
+    no_compiler = torch._inductor.config.patch({"cpp.cxx": ("syncbn-dist-no-such-c++",)})
+    no_compiler.__enter__()
     kernels._missing_compiler.cache_clear()
     kernels._warn_fallback.cache_clear()
     try:
@@ -93,11 +98,12 @@ def test_auto_without_a_compiler_warns_once_and_runs_native(
             again = _clip_layer_step(x)
         for a, b, c in zip(native, fallback, again):
             assert torch.equal(a, b) and torch.equal(a, c)
-        assert all(kernel.graphs() == 0 for kernel in kernels.COMPILED_KERNELS)
+        assert all(kernel.graphs() == 0 for kernel in kernels.COMPILED_KERNELS)  # the fixture's fresh ones
         monkeypatch.setenv(kernels.KERNELS_ENV, "compiled")
         with pytest.raises(RuntimeError, match="set_kernels\\('compiled'\\): inductor finds no C\\+\\+ compiler"):
             _clip_layer_step(x)
     finally:
+        no_compiler.__exit__(None, None, None)
         kernels._missing_compiler.cache_clear()
         kernels._warn_fallback.cache_clear()
 
@@ -128,13 +134,18 @@ def test_replica_threads_compile_a_new_signature_once_and_agree(
 
     def run(i: int) -> None:
         barrier.wait()
-        results[i] = kernels.payload(shards[i])
+        try:
+            results[i] = kernels.payload(shards[i])
+        except BaseException as error:  # noqa: BLE001 - reported below, with the thread's own traceback
+            results[i] = error
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(shards))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors
     assert kernels._shard_payload.graphs() == 1
     for shard, payload in zip(shards, results):
         x = shard.double()
@@ -161,8 +172,9 @@ def test_an_inplace_activation_after_the_layer_trains_as_on_the_native_kernels(
         runner(x).square().sum().backward()
         results.append([model[0].weight.grad, model[1].weight.grad, model[1].running_var])
     for native, compiled, what in zip(*results, ["conv weight grad", "layer weight grad", "running_var"]):
-        # Two float32 kernel sets over 150 values per channel: a few ulps of the O(100) sums of squares.
-        assert_close(compiled, native, what, rtol=1e-5, atol=1e-5)
+        # Two float32 kernel sets summing in different orders: the conv weight gradient sums 150 products of O(1)
+        # terms per element, a few ulps of which reach 1e-5; the running variance is float64 sums rounded once.
+        assert_close(compiled, native, what, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("ndim", [4, 5])
@@ -189,6 +201,16 @@ def test_compiled_replicas_keep_channels_last_and_equal_float64_batchnorm(
     assert_close(out, F.batch_norm(x_global, None, None, training=True), "output", rtol=0.0, atol=1e-4)
     assert_close(x.grad, x_ref.grad, "grad_input", rtol=0.0, atol=1e-4)
     assert_close(layer.running_var, reference.running_var, "running_var", rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype, budget", [(torch.float32, 32.0), (torch.bfloat16, 16.0)])
+def test_compiled_kernels_access_each_activation_element_8_times(dtype: torch.dtype, budget: float) -> None:
+    """Inductor's count of the bytes one layer's forward + backward kernels access (a fresh compilation, the same
+    function make bench reports as K3): 8 accesses per element (x; x, y; dy, x; dy, x, dx), plus the per-channel
+    float64 statistics, which at (16, 32, 8, 8) are under 1% of it."""
+    x = torch.randn(16, 32, 8, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+    accessed = compiled_bytes_per_element(x)
+    assert budget <= accessed <= 1.01 * budget, accessed
 
 
 # ResNet-50's BatchNorm layers (torchvision's resnet50: the stem, then 3, 4, 6, 3 bottlenecks of

@@ -69,8 +69,6 @@ class ScenarioConfig:
     profile: bool = True
     profile_top: int = positive(10)
     timeout_s: float = positive(300.0)
-    # The first call of the compiled kernels in a new process, cold and warm inductor cache (two subprocesses).
-    compile_cost: bool = True
 
 
 @dataclass
@@ -94,6 +92,8 @@ class MicroConfig:
     timeout_s: float = positive(300.0)
     # The first call of the compiled kernels in a new process, cold and warm inductor cache (two subprocesses).
     compile_cost: bool = True
+    # The compiled kernels' bytes per element by inductor's count (a fresh compilation per case).
+    kernel_bytes: bool = True
 
 
 @dataclass

@@ -180,7 +180,8 @@ def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str,
                     bytes_per_element[name] = round(byte_counter.total / case.x.numel(), 2)
                 bytes_per_element[TORCH_SYNCBN_MODEL] = TORCH_SYNCBN_CUDA_ACCESSES_PER_ELEMENT * case.x.element_size()
                 ratio = medians["syncbn_dist"] / medians["F.batch_norm"]
-                bytes_per_element[COMPILED] = compiled_bytes_per_element(case.x)
+                if micro["kernel_bytes"]:
+                    bytes_per_element[COMPILED] = compiled_bytes_per_element(case.x)
                 entry = {
                     "shape": list(shape),
                     "dtype": dtype_name,
