@@ -268,10 +268,11 @@ def markdown(summary: dict[str, Any]) -> str:
             "",
             "On CUDA the compiled kernels are the same source, compiled to Triton; nothing of it has run on a GPU. "
             "A GPU run (`make bench ARGS=\"device=cuda\"`, "
-            "`SYNCBN_DIST_KERNELS=compiled .venv/bin/python -m pytest -m gpu tests`) must confirm: the gpu tests pass "
-            "on the compiled kernels (exactness, NCCL's functional all_reduce inside the regions); K1 against F.batch_norm plus the collectives and beside torch.nn.SyncBatchNorm's "
-            "CUDA kernels (the microbenchmark times both); K3's 32 and 16 B per element on Triton's kernels; and the "
-            "compile cost, Triton's autotuning included.",
+            "`SYNCBN_DIST_KERNELS=compiled .venv/bin/python -m pytest -m gpu tests`) must confirm: the gpu tests "
+            "pass on the compiled kernels (exactness, NCCL's functional all_reduce inside the regions); K1 against "
+            "F.batch_norm plus the collectives and beside torch.nn.SyncBatchNorm's CUDA kernels (the "
+            "microbenchmark times both); K3's 32 and 16 B per element on Triton's kernels; and the compile cost, "
+            "Triton's autotuning included.",
         ]
         cost = micro.get("compile_cost")
         if cost:
