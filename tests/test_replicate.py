@@ -225,8 +225,16 @@ def _check_replica_steps(
             assert sync.running_mean is None and sync.running_var is None
 
 
+# Every config on the native kernels; on the compiled ones the two the kernels see differently (affine parameters or
+# ones in their place): running statistics and momentum are the module's, the same code on both kernel sets.
+CONFIGS_AND_KERNELS = [(config, "native") for config in CONFIGS] + [
+    ("default", "compiled"),
+    ("no-affine", "compiled"),
+]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config, kernel_mode", CONFIGS_AND_KERNELS, indirect=["kernel_mode"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("splits", list(SPLITS))
 def test_replicas_match_batchnorm_on_the_concatenated_batch(
