@@ -59,9 +59,10 @@ train-multinode: install
 	done; \
 	status=0; for pid in $$pids; do wait $$pid || status=1; done; exit $$status
 
-# One intra-op thread per test process: xdist workers and the gloo ranks they spawn share the cores.
+# One intra-op thread per test process: xdist workers and the gloo ranks they spawn share the cores. worksteal: a
+# worker that runs out of tests takes some of the other's, so a few minute-long tests do not leave one core idle.
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(NPROC) tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(NPROC) --dist worksteal tests
 
 # Not part of CI. torch is pinned while the project installs, so pip fails rather than replace it.
 compat:
