@@ -149,10 +149,6 @@ def _values_per_channel(input: Tensor) -> int:
     return input.numel() // input.size(1)
 
 
-def _reduced_dims(x: Tensor) -> list[int]:
-    return [0, *range(2, x.dim())]
-
-
 def _channel_shape(x: Tensor) -> list[int]:
     return [1, -1] + [1] * (x.dim() - 2)
 
