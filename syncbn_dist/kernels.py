@@ -11,9 +11,9 @@ on CPU and Triton on CUDA, with the float32 (or float16/bfloat16) load and the f
 
 That is 8 activation accesses per element, the count of ``torch.nn.SyncBatchNorm``'s CUDA kernels (32 B per
 float32 element), with no float64 copy of the activation. Over a process group the collective runs inside the
-compiled region (:func:`forward_region`, :func:`backward_region`, with
-:func:`syncbn_dist.comm.distributed.ordered_all_reduce`), so one layer is one compiled call per direction; other
-transports (the DataParallel exchange) call the pieces with their own exchange in between.
+compiled region (:func:`forward_region`, :func:`backward_region`, with torch's functional all_reduce), so one
+layer is one compiled call per direction; other transports (the DataParallel exchange) call the pieces with their
+own exchange in between. docs/design.md, "Compiled kernels", has the design and what inductor needed.
 
 The switch is :func:`set_kernels` (or the environment variable ``SYNCBN_DIST_KERNELS``): ``"native"`` keeps the
 native-op path of :mod:`syncbn_dist.functions`, ``"compiled"`` uses these kernels, ``"auto"`` (the default) uses
