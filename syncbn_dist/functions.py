@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.autograd import Function, forward_ad
 
 from . import kernels
+from .kernels import _channel_shape, _stat_dtype, _values_per_channel
 from .tracing import is_compiling
 
 __all__ = [
@@ -212,11 +213,6 @@ def _like_input(grad_output: Tensor, input: Tensor) -> Tensor:
     return grad_output.contiguous()
 
 
-def _stat_dtype(input: Tensor) -> torch.dtype:
-    """Dtype of the statistics handed to the native kernels: float32 for reduced precision input."""
-    return torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else input.dtype
-
-
 def _normalizing_var(var: Tensor, eps: float, eps_mode: str) -> Tensor:
     """The variance the native kernels see, so that their ``rsqrt(var + eps)`` is the mode's invstd."""
     if eps_mode == "clip":
@@ -327,10 +323,6 @@ def _checked_count(total: Tensor, input: Tensor) -> None:
         torch._assert_async(total[-1] != 1.0, message)
     elif int(total[-1].item()) == 1:
         raise ValueError(message)
-
-
-def _values_per_channel(input: Tensor) -> int:
-    return input.numel() // max(input.size(1), 1)
 
 
 class _SyncBatchNormFunction(Function):
@@ -507,11 +499,6 @@ def _differentiable_normalize(
 def _reduced_dims(input: Tensor) -> list[int]:
     """The dimensions a per-channel statistic reduces over: all but dim 1."""
     return [0, *range(2, input.dim())]
-
-
-def _channel_shape(input: Tensor) -> list[int]:
-    """The shape that broadcasts a (C,) tensor over ``input``: (1, C, 1, ...)."""
-    return [1, -1] + [1] * (input.dim() - 2)
 
 
 class _BackwardLink:
