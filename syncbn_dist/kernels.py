@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.fx.experimental import _config as fx_config
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -146,10 +147,12 @@ def _warn_fallback(reason: str) -> None:
 
 
 def _values_per_channel(input: Tensor) -> int:
-    return input.numel() // input.size(1)
+    """Values per channel of an (N, C, *) shard: N * prod(*) (0 when C is 0)."""
+    return input.numel() // max(input.size(1), 1)
 
 
 def _channel_shape(x: Tensor) -> list[int]:
+    """The shape that broadcasts a (C,) tensor over ``x``: (1, C, 1, ...)."""
     return [1, -1] + [1] * (x.dim() - 2)
 
 
@@ -167,7 +170,8 @@ def _sum_per_channel(t: Tensor) -> Tensor:
 
 
 def _stat_dtype(x: Tensor) -> torch.dtype:
-    return _F64 if x.dtype == _F64 else torch.float32
+    """Dtype of the per-channel statistics and coefficients: float32 for reduced precision input, else the input's."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
 # The one source. Each function is plain torch ops on (N, C, *) tensors with N * prod(*) >= 2; the per-channel
@@ -330,25 +334,33 @@ def _outside_ddp_forward(compiled: Callable[..., Any], *args: Any) -> Any:
         DistributedDataParallel._active_ddp_module = active
 
 
+# Held for the first call of every signature: one compilation at a time, under the config patch above it.
+_FIRST_CALL_LOCK = threading.Lock()
+
+
 class _CompiledKernel:
     """``torch.compile(fn, dynamic=True, fullgraph=True)`` per signature (:func:`_signature`), built on first use.
 
     Each signature compiles a copy of ``fn``'s code object, so each has its own Dynamo cache and recompilation
     limit (a process that meets many dtypes and layouts would exhaust a single one); a lock around the first call
-    of a signature makes replica threads that meet it together compile it once.
+    of a signature makes replica threads that meet it together compile it once, and sizes that happen to be equal
+    then get symbols of their own (no duck sizing), so a signature compiles once.
     """
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
-        self.lock = threading.Lock()
 
     def __call__(self, x: Tensor, *args: Any, key: tuple[Any, ...] = ()) -> Any:
-        signature = (x.device.type, x.dtype, x.stride(1) == 1, x.size(0) == 1, x.size(2) == 1, *key)
+        # Sizes of 0 and 1 are specialized by Dynamo even with dynamic shapes: N, C and L of one are signatures.
+        sizes_of_one = (x.size(0) == 1, x.size(1) == 1, x.size(2) == 1)
+        signature = (x.device.type, x.dtype, x.stride(1) == 1, *sizes_of_one, *key)
         compiled = self.compiled.get(signature)
         if compiled is not None:
             return _outside_ddp_forward(compiled, x, *args)
-        with self.lock:
+        # No duck sizing: sizes that happen to be equal at the first call (N == C) would otherwise share a symbol,
+        # and every later call where they differ would recompile, until Dynamo's recompile limit fails the call.
+        with _FIRST_CALL_LOCK, fx_config.patch(use_duck_shape=False):
             compiled = self.compiled.get(signature)
             if compiled is None:
                 fn = self.fn

@@ -213,6 +213,23 @@ def test_compiled_kernels_access_each_activation_element_8_times(dtype: torch.dt
     assert budget <= accessed <= 1.01 * budget, accessed
 
 
+def test_sizes_equal_at_the_first_call_do_not_recompile_later_ones(
+    monkeypatch: pytest.MonkeyPatch, fresh_kernels: None
+) -> None:
+    """A first call whose batch equals its channels (N = C = 3): without its own symbol for each size, every later
+    batch size would recompile the graph, until Dynamo's recompile limit (8) fails the call."""
+    monkeypatch.setenv(kernels.KERNELS_ENV, "compiled")
+    gen = torch.Generator().manual_seed(4)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for batch in [3, *range(4, 16)]:
+        x = torch.randn(batch, 3, 5, generator=gen)
+        expected = torch.cat([x.double().sum([0, 2]), x.double().square().sum([0, 2]), torch.tensor([5.0 * batch])])
+        # float64 sums of float32 values about a shift: exact to float64 rounding.
+        assert_close(kernels.payload(x), expected, f"payload, batch {batch}", rtol=1e-13, atol=1e-13)
+    assert kernels._shard_payload.graphs() == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+
+
 # ResNet-50's BatchNorm layers (torchvision's resnet50: the stem, then 3, 4, 6, 3 bottlenecks of
 # (width, width, 4 * width) with a downsample BatchNorm in each stage's first block) at a 64 x 64 input.
 def _resnet50_batchnorm_shapes() -> list[tuple[int, int]]:
