@@ -2,7 +2,8 @@ r"""The synchronized layer's per-element work as one Python source that ``torch.
 
 BatchNorm is memory-bound: the time goes to passes over the activation, not to arithmetic. This module writes the
 four passes of an exact synchronized layer in plain torch ops, and inductor turns them into fused kernels, C++
-on CPU and Triton on CUDA, with the float32 (or float16/bfloat16) load and the float64 accumulation in one loop:
+on CPU and Triton on CUDA, with the float32 load and the float64 accumulation in one loop (float16/bfloat16: the
+load and a float32 sum of each sample's values, combined in float64):
 
 - forward: :func:`shard_payload` reads ``x`` once for ``[sum(x), sum(x**2), count]`` in float64;
   :func:`normalize` reads ``x`` and writes ``y``;
@@ -22,8 +23,10 @@ them where inductor works and otherwise warns once and keeps the native path. Un
 
 Exactness: the shard sums are taken about the shard's first value per channel (a shift that removes a large mean
 before squaring, then added back in float64, as :func:`syncbn_dist.functions._copy_free_payload` does), and every
-reduction accumulates in float64, so the statistics are exact to float64 rounding at any |mean|/std; the
-elementwise passes compute ``(x - mean) * scale + shift`` in the statistics dtype, as the native kernels do.
+reduction of float32 or float64 input accumulates in float64, so the statistics are exact to float64 rounding at
+any |mean|/std (float16/bfloat16 input: about 1e-6 relative, :func:`_sum_per_channel`, against the input's own
+2**-11 or 2**-8); the elementwise passes compute ``(x - mean) * scale + shift`` in the statistics dtype, as the
+native kernels do.
 """
 
 from __future__ import annotations
@@ -157,16 +160,30 @@ def _channel_shape(x: Tensor) -> list[int]:
 
 
 def _sum_per_channel(t: Tensor) -> Tensor:
-    """Sum a (N, C, L) tensor over N and L, in the order that suits its layout.
+    """Sum a (N, C, L) tensor over N and L into (C,) float64, in the order that suits its layout and dtype.
 
-    Contiguous: one stage, the inner loop over L. Channels innermost (channels_last flattened): first over L, then
-    over N, because inductor's CPU kernel walks a reduced dimension once per block of 8 channels, so a single stage
-    over N * L would reread the whole activation from memory C / 8 times (measured 3 ms against 0.8 for
-    (32, 64, 28, 28) float32 channels_last) where one sample's (L, C) slab stays in cache.
+    float64 ``t``, contiguous: one stage, the inner loop over L. float64 ``t``, channels innermost (channels_last
+    flattened): first over L, then over N, because inductor's CPU kernel walks a reduced dimension once per block of
+    8 channels, so a single stage over N * L would reread the whole activation from memory C / 8 times (measured 3 ms
+    against 0.8 for (32, 64, 28, 28) float32 channels_last) where one sample's (L, C) slab stays in cache.
+
+    float32 ``t`` (the per-element terms of float16/bfloat16 input, :func:`_term_dtype`): each sample's L values
+    sum in float32 (inductor's cascade summation), the N row sums in float64. Converting a 16-bit load to float64
+    costs inductor's CPU kernels 5-7x the reduction time of a float32 one (measured 0.28 ms against 0.04 for
+    (8, 256, 196) bfloat16); the row sums keep about 1e-6 relative at L = 2**20 (measured), far below the input's
+    own rounding (2**-8 for bfloat16, 2**-11 for float16).
     """
+    if t.dtype != _F64:
+        return t.sum(2).to(_F64).sum(0)
     if t.stride(1) == 1 and t.size(2) > 1:
         return t.sum(2).sum(0)
     return t.sum([0, 2])
+
+
+def _term_dtype(x: Tensor) -> torch.dtype:
+    """Dtype of the per-element terms the reductions sum: float32 for float16/bfloat16 input (exact for the
+    difference of two such values of nearby magnitude), else float64 (exact for the difference of two float32)."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else _F64
 
 
 def _stat_dtype(x: Tensor) -> torch.dtype:
@@ -182,13 +199,15 @@ def _stat_dtype(x: Tensor) -> torch.dtype:
 def shard_payload(x: Tensor) -> Tensor:
     """``[sum(x) (C), sum(x**2) (C), count]`` of one shard as (2C + 1,) float64, from one pass over ``x``.
 
-    The sums are taken about ``s``, the shard's first value per channel: ``d = x - s`` in float64 is exact for
-    float32 input and small next to a large mean, so ``sum(d**2)`` keeps the variance; then
+    The sums are taken about ``s``, the shard's first value per channel: ``d = x - s`` (float64 for float32 input,
+    float32 for float16/bfloat16: :func:`_term_dtype`) is exact and small next to a large mean, so ``sum(d**2)``
+    keeps the variance; then
     ``sum(x) = sum(d) + n s`` and ``sum(x**2) = sum(d**2) + s (2 sum(d) + n s)`` (Chan et al. 1979, as sums).
     """
     count = x.numel() // x.size(1)
+    terms = _term_dtype(x)
     shift = x[(0, slice(None)) + (0,) * (x.dim() - 2)].to(_F64)
-    centred = x.to(_F64) - shift.view(_channel_shape(x))
+    centred = x.to(terms) - shift.to(terms).view(_channel_shape(x))
     sums, squares = _sum_per_channel(centred), _sum_per_channel(centred.square())
     absolute_sums = sums + count * shift
     return torch.cat([absolute_sums, squares + shift * (2.0 * sums + count * shift), sums.new_full((1,), count)])
@@ -222,8 +241,9 @@ def normalize(
 
 def grad_reductions(dy: Tensor, x: Tensor, mean: Tensor, var: Tensor, eps: float) -> Tensor:
     """This shard's ``[sum(dy) (C), sum(dy * x_hat) (C)]`` as (2C,) float64, from one pass over ``dy`` and ``x``."""
-    grad = dy.to(_F64)
-    centred = x.to(_F64) - mean.to(_F64).view(_channel_shape(x))
+    terms = _term_dtype(x)
+    grad = dy.to(terms)
+    centred = x.to(terms) - mean.to(terms).view(_channel_shape(x))
     invstd = torch.rsqrt(var.to(_F64) + eps)
     return torch.cat([_sum_per_channel(grad), _sum_per_channel(grad * centred) * invstd])
 
