@@ -206,9 +206,10 @@ def shard_payload(x: Tensor) -> Tensor:
     """
     count = x.numel() // x.size(1)
     terms = _term_dtype(x)
-    shift = x[(0, slice(None)) + (0,) * (x.dim() - 2)].to(_F64)
-    centred = x.to(terms) - shift.to(terms).view(_channel_shape(x))
+    shift = x[(0, slice(None)) + (0,) * (x.dim() - 2)].to(terms)
+    centred = x.to(terms) - shift.view(_channel_shape(x))
     sums, squares = _sum_per_channel(centred), _sum_per_channel(centred.square())
+    shift = shift.to(_F64)
     absolute_sums = sums + count * shift
     return torch.cat([absolute_sums, squares + shift * (2.0 * sums + count * shift), sums.new_full((1,), count)])
 
