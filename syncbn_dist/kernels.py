@@ -180,15 +180,17 @@ def _sum_per_channel(t: Tensor) -> Tensor:
     return t.sum([0, 2])
 
 
-def _term_dtype(x: Tensor) -> torch.dtype:
-    """Dtype of the per-element terms the reductions sum: float32 for float16/bfloat16 input (exact for the
-    difference of two such values of nearby magnitude), else float64 (exact for the difference of two float32)."""
-    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else _F64
-
-
 def _stat_dtype(x: Tensor) -> torch.dtype:
     """Dtype of the per-channel statistics and coefficients: float32 for reduced precision input, else the input's."""
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+def _term_dtype(x: Tensor) -> torch.dtype:
+    """Dtype of the per-element terms the reductions sum: the statistics dtype (float32) for float16/bfloat16 input
+    (exact for the difference of two such values of nearby magnitude), else float64 (exact for the difference of
+    two float32)."""
+    stat = _stat_dtype(x)
+    return _F64 if stat == x.dtype else stat
 
 
 # The one source. Each function is plain torch ops on (N, C, *) tensors with N * prod(*) >= 2; the per-channel
