@@ -27,7 +27,7 @@ COMPAT_VENV = .venv-compat-$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys
 FRAMEWORKS_VENV := .venv-frameworks
 FRAMEWORKS_PINS := torch==2.14.1 torchvision==0.29.1 timm==1.0.31
 
-.PHONY: install train train-dp train-multinode compare test compat frameworks bench lint clean
+.PHONY: install train train-dp train-multinode compare test compat frameworks bench bench-gpu lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -84,6 +84,13 @@ compare: install
 
 bench: install
 	$(PY) -m launch.bench.run --config configs/bench.yaml $(ARGS)
+
+# On a CUDA machine: the gpu-marked tests on both kernel sets and the one-layer benchmark on the GPU
+# (launch/bench/gpu.sh). GPU_PY: a python whose torch has CUDA (the .venv's is the CPU build).
+GPU_PY ?= $(PY)
+GPU_OUT ?= outputs/bench_gpu
+bench-gpu:
+	bash launch/bench/gpu.sh $(GPU_PY) $(GPU_OUT) $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check syncbn_dist launch tests

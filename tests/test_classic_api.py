@@ -36,9 +36,11 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 C = 3
 # Replicas wait up to this long for a peer; a peer woken only by this timeout fails the test.
 REPLICA_TIMEOUT = 30.0
-# A woken peer must raise within this many seconds of the failure: far below REPLICA_TIMEOUT, and generous for
-# two shared cores (the wake-up itself is a condition-variable notify, measured in milliseconds).
-WAKE_LIMIT = 5.0
+# A woken peer must raise within this many seconds of the failure: well below REPLICA_TIMEOUT, and generous for
+# two shared cores and for a first call that compiles the kernels (the wake-up itself is a condition-variable
+# notify, measured in milliseconds; with SYNCBN_DIST_KERNELS=compiled on CUDA one case took 5.9 s with Triton's
+# compilation in it).
+WAKE_LIMIT = 15.0
 
 # ---------------------------------------------------------------------------------------------------------
 # The classic public names and signatures

@@ -16,8 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from closeness import assert_close
 
 import syncbn_dist
+from launch.bench.micro import compiled_bytes_per_element
+from syncbn_dist import kernels
 from syncbn_dist.comm import DistributedTransport
 from syncbn_dist.functions import sync_batch_norm
 
@@ -44,25 +47,29 @@ def nccl_world_of_one() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(8, 16, 7, 5), (64, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, channels_last", [((8, 16, 7, 5), False), ((8, 16, 7, 5), True), ((64, 32), False)])
 def test_cuda_sync_path_over_nccl_matches_float64_batchnorm(
-    nccl_world_of_one: None, shape: tuple[int, ...], dtype: torch.dtype
+    nccl_world_of_one: None, kernel_mode: str, shape: tuple[int, ...], channels_last: bool, dtype: torch.dtype
 ) -> None:
+    """Both kernel sets (native CUDA ops; the compiled ones as Triton kernels, NCCL's functional all_reduce inside
+    their regions) on every layout."""
     gen = torch.Generator().manual_seed(0)
     channels = shape[1]
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
     x64 = torch.randn(shape, generator=gen, dtype=torch.float64) * 3 + 2
     dy64 = torch.randn(shape, generator=gen, dtype=torch.float64)
     w64 = torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5
     b64 = torch.randn(channels, generator=gen, dtype=torch.float64)
 
-    x = x64.to("cuda", dtype).requires_grad_()
+    x = x64.to("cuda", dtype).contiguous(memory_format=memory_format).requires_grad_()
     weight = w64.to("cuda", dtype).requires_grad_()
     bias = b64.to("cuda", dtype).requires_grad_()
     running_mean = torch.zeros(channels, device="cuda", dtype=dtype)
     running_var = torch.ones(channels, device="cuda", dtype=dtype)
     out = sync_batch_norm(x, weight, bias, running_mean, running_var, MOMENTUM, EPS, DistributedTransport(None))
-    out.backward(dy64.to("cuda", dtype))
+    out.backward(dy64.to("cuda", dtype).contiguous(memory_format=memory_format))
+    assert out.is_contiguous(memory_format=memory_format) and x.grad.is_contiguous(memory_format=memory_format)
 
     # The reference sees the values the CUDA path saw (the float64 data rounded to ``dtype``), in float64.
     x_ref = x.detach().double().cpu().requires_grad_()
@@ -74,8 +81,9 @@ def test_cuda_sync_path_over_nccl_matches_float64_batchnorm(
     ref = F.batch_norm(x_ref, rm_ref, rv_ref, w_ref, b_ref, True, MOMENTUM, EPS)
     ref.backward(dy_ref)
 
-    # float32: O(1) values to a few float32 ulps after two passes; bfloat16 outputs and gradients are rounded to
-    # 8 significant bits (relative 4e-3), the statistics stay float64 so nothing else is lost.
+    # float32: O(1) values to a few float32 ulps after two passes; bfloat16 and float16 outputs and gradients are
+    # rounded to 8 and 11 significant bits (relative 4e-3 and 5e-4), the statistics stay float64 (float32 per
+    # sample for half input) so nothing else is lost.
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     pairs = {
         "output": (out, ref),
@@ -89,6 +97,62 @@ def test_cuda_sync_path_over_nccl_matches_float64_batchnorm(
         assert got.device.type == "cuda", what
         assert got.dtype == dtype, what
         torch.testing.assert_close(got.double().cpu(), expected, **tol, msg=lambda m, w=what: f"{w}: {m}")
+
+
+def test_auto_keeps_cuda_layers_on_the_native_kernels(
+    nccl_world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default mode compiles nothing for CUDA tensors: the native kernels measured faster there."""
+    monkeypatch.setenv(kernels.KERNELS_ENV, "auto")
+    before = [kernel.graphs() for kernel in kernels.COMPILED_KERNELS]
+    x = torch.randn(8, 5, 3, 3, device="cuda", requires_grad=True)
+    sync_batch_norm(x, None, None, None, None, MOMENTUM, EPS, DistributedTransport(None)).sum().backward()
+    assert [kernel.graphs() for kernel in kernels.COMPILED_KERNELS] == before
+    assert not kernels.use_compiled(x)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_sync_path_is_exact_at_a_large_mean(
+    nccl_world_of_one: None, kernel_mode: str, channels_last: bool
+) -> None:
+    """|mean| / std = 1e4 on CUDA: the statistics are float64 over the float32 values on both kernel sets, so the
+    variance is right to 1e-6 relative, where E[x^2] - E[x]^2 in float32 would lose it entirely."""
+    gen = torch.Generator().manual_seed(2)
+    shape = (16, 8, 9, 7)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    x32 = (torch.randn(shape, generator=gen, dtype=torch.float64) + 1e4).float()
+    dy64 = torch.randn(shape, generator=gen, dtype=torch.float64)
+    x = x32.cuda().contiguous(memory_format=memory_format).requires_grad_()
+    running_mean = torch.zeros(shape[1], device="cuda")
+    running_var = torch.ones(shape[1], device="cuda")
+    out = sync_batch_norm(x, None, None, running_mean, running_var, MOMENTUM, EPS, DistributedTransport(None))
+    out.backward(dy64.float().cuda().contiguous(memory_format=memory_format))
+
+    x_ref = x32.double().requires_grad_()
+    rm_ref, rv_ref = torch.zeros(shape[1], dtype=torch.float64), torch.ones(shape[1], dtype=torch.float64)
+    ref = F.batch_norm(x_ref, rm_ref, rv_ref, None, None, True, MOMENTUM, EPS)
+    ref.backward(dy64.float().double())
+    # The float32 mean and input are 2^-24 * 1e4 off in normalized units (reach 1e4), times a few roundings; the
+    # input gradient scales that by invstd * |dy| (invstd ~ 1, |dy| < 5).
+    reach = 16 * 2**-24 * 1.1e4
+    assert_close(out.cpu(), ref, "output", rtol=0.0, atol=reach)
+    assert_close(x.grad.cpu(), x_ref.grad, "grad_input", rtol=0.0, atol=5 * reach)
+    assert_close(running_var.cpu(), rv_ref, "running_var", rtol=1e-6, atol=0.0)
+    assert_close(running_mean.cpu(), rm_ref, "running_mean", rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype, accesses", [(torch.float32, 9), (torch.bfloat16, 9)])
+def test_compiled_triton_kernels_access_each_activation_element_9_times_by_inductors_count(
+    dtype: torch.dtype, accesses: int
+) -> None:
+    """K3 on CUDA: inductor's count of the bytes the compiled forward + backward Triton kernels access, per element.
+    The kernels pass over the activation 8 times, as torch.nn.SyncBatchNorm's CUDA kernels do (x; x, y; dy, x; dy,
+    x, dx: read from their Triton code on an H200); inductor's estimate counts 9, taking the statistics kernel's
+    load of the shift x[0, :, 0] for another read of x. The per-channel terms are under 1% at this shape."""
+    x = torch.randn(16, 32, 32, 32, generator=torch.Generator().manual_seed(0)).to("cuda", dtype)
+    budget = accesses * x.element_size()
+    accessed = compiled_bytes_per_element(x)
+    assert budget <= accessed <= 1.01 * budget, accessed
 
 
 def test_converted_module_on_cuda_matches_float64_batchnorm(nccl_world_of_one: None) -> None:

@@ -222,7 +222,7 @@ def compiled_bytes_per_element(x: Tensor) -> float:
     forward = kernels._CompiledKernel(kernels.forward_region)
     backward = kernels._CompiledKernel(kernels.backward_region)
     x3 = kernels._as_3d(x.detach())
-    weight = torch.ones(x.size(1), dtype=kernels._stat_dtype(x))
+    weight = torch.ones(x.size(1), dtype=kernels._stat_dtype(x), device=x.device)
     torch._logging.set_logs(inductor_metrics=True)  # inductor counts bytes only while this log is on
     try:
         with config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):

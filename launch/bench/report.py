@@ -31,6 +31,13 @@ def _model_line(name: str, cfg: dict[str, Any], runs: list[dict[str, Any]]) -> s
     )
 
 
+def _ratio(medians: dict[str, float], numerator: str, denominator: str) -> Optional[float]:
+    """``medians[numerator] / medians[denominator]``, None where either variant did not run."""
+    if numerator not in medians or denominator not in medians:
+        return None
+    return medians[numerator] / medians[denominator]
+
+
 def _median(run: dict[str, Any], variant: str) -> Optional[float]:
     entry = run["variants"].get(variant)
     return None if entry is None else entry["median_ms"]
@@ -257,28 +264,33 @@ def markdown(summary: dict[str, Any]) -> str:
             "compiled ones (syncbn_dist.kernels); the op counter cannot see inside a compiled graph, and the "
             "compiled column's B/elem is inductor's num_bytes_accessed of its kernels in a fresh compilation.",
         ]
+        torch_fn = "torch SyncBatchNorm fn"
+        beside_torch = any(torch_fn in c["median_ms"] for c in micro["cases"])
         rows = [
             [str(tuple(c["shape"])), c["dtype"], c["memory_format"], fmt(c.get("compiled_ratio"), ".2f"),
              fmt(c["median_ms"]["syncbn_dist"] / c["median_ms"]["F.batch_norm + collectives"], ".2f")]
+            + ([fmt(_ratio(c["median_ms"], "syncbn_dist compiled", torch_fn), ".2f")] if beside_torch else [])
             for c in micro["cases"] if "F.batch_norm + collectives" in c["median_ms"]
         ]
         out += ["", "### Compiled kernels against F.batch_norm + the same collectives (K1)", ""]
-        out += _table(["shape", "dtype", "format", "compiled / baseline", "native / baseline"], rows)
-        out += [
-            "",
-            "On CUDA the compiled kernels are the same source, compiled to Triton; nothing of it has run on a GPU. "
-            "A GPU run (`make bench ARGS=\"device=cuda\"`, "
-            "`SYNCBN_DIST_KERNELS=compiled .venv/bin/python -m pytest -m gpu tests`) must confirm: the gpu tests "
-            "pass on the compiled kernels (exactness, NCCL's functional all_reduce inside the regions); K1 against "
-            "F.batch_norm plus the collectives and beside torch.nn.SyncBatchNorm's CUDA kernels (the "
-            "microbenchmark times both); K3's 32 and 16 B per element on Triton's kernels; and the compile cost, "
-            "Triton's autotuning included.",
-        ]
+        out += _table(
+            ["shape", "dtype", "format", "compiled / baseline", "native / baseline"]
+            + (["compiled / torch SyncBatchNorm fn"] if beside_torch else []),
+            rows,
+        )
+        if micro["device"] == "cpu":
+            out += [
+                "",
+                "On CUDA the compiled kernels are the same source, compiled to Triton. `make bench-gpu` on a CUDA "
+                "machine runs the gpu tests on both kernel sets and this benchmark with `device=cuda`, beside "
+                "torch.nn.SyncBatchNorm's CUDA kernels; docs/performance_cuda.md is the last such run.",
+            ]
         cost = micro.get("compile_cost")
         if cost:
             out += [
                 "",
-                f"Compile cost (launch/bench/compile_cost.py; one layer {tuple(cost['shape'])} {cost['dtype']}, "
+                f"Compile cost (launch/bench/compile_cost.py; one layer {tuple(cost['shape'])} {cost['dtype']} on "
+                f"{cost.get('device', 'cpu')}, "
                 "forward+backward, a new process each): empty inductor cache: first call "
                 f"{cost['cold']['first_call_s']} s; cache left by that process: first call "
                 f"{cost['warm']['first_call_s']} s; then {cost['warm']['second_call_ms']} ms; graphs compiled per "

@@ -123,9 +123,9 @@ def run(cfg: BenchConfig, scenarios: list[ScenarioConfig], command: str) -> dict
             backend=micro_backend,
             threads=cfg.micro.threads,
         )[0]
-        if cfg.micro.compile_cost and micro_backend == "gloo":
+        if cfg.micro.compile_cost:
             print("[bench] compiled kernels' compile cost ...", flush=True)
-            micro["compile_cost"] = compile_cost.measure()
+            micro["compile_cost"] = compile_cost.measure("cuda" if micro_backend == "nccl" else "cpu")
     if hasattr(os, "getloadavg"):
         machine["loadavg_end"] = list(os.getloadavg())
     machine["bench_seconds"] = round(time.perf_counter() - started, 1)

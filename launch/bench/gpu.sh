@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The checks only a GPU can run (README, "GPU status"): the gpu-marked tests on both kernel sets, then the
+# one-layer microbenchmark on CUDA beside torch.nn.SyncBatchNorm's kernels, with K3 and the compile cost on Triton.
+#
+#   make bench-gpu GPU_PY=python3                   # writes outputs/bench_gpu/ (docs/performance_cuda.md: a copy)
+#   bash launch/bench/gpu.sh python3 /tmp/out       # a GPU machine whose python3 has torch (and omegaconf, tqdm)
+#
+# From the repository root. Extra arguments go to launch.bench.run as KEY=VALUE overrides. Exits 1 if any step failed.
+set -uo pipefail
+PY=${1:-.venv/bin/python}
+OUT_DIR=${2:-outputs/bench_gpu}
+shift $(($# < 2 ? $# : 2))
+mkdir -p "$OUT_DIR"
+"$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))' \
+    || exit 1
+status=0
+# test_gpu.py runs both kernel sets itself (exactness on every layout, K3 on Triton).
+"$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT_DIR/pytest_gpu.log" || status=1
+# The microbenchmark alone (the scenarios need a GPU per rank), with one layer larger than the L2 beside make bench's.
+"$PY" -m launch.bench.run --config configs/bench.yaml 'scenarios=[]' device=cuda readme=null plot=false \
+    output_dir="$OUT_DIR" 'micro.shapes=[[32,64,28,28],[8,256,14,14],[256,512],[64,256,56,56]]' "$@" 2>&1 \
+    | tee "$OUT_DIR/bench.log" || status=1
+# The other files' gpu tests on the native kernels (the suite's default), then on the compiled ones.
+for kernels in native compiled; do
+    SYNCBN_DIST_KERNELS=$kernels "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_features.py \
+        tests/test_classic_api.py tests/test_replicate.py tests/test_bench.py 2>&1 | tee "$OUT_DIR/pytest_$kernels.log" \
+        || status=1
+done
+exit $status
