@@ -18,7 +18,8 @@ own exchange in between. docs/design.md, "Compiled kernels", has the design and 
 
 The switch is :func:`set_kernels` (or the environment variable ``SYNCBN_DIST_KERNELS``): ``"native"`` keeps the
 native-op path of :mod:`syncbn_dist.functions`, ``"compiled"`` uses these kernels, ``"auto"`` (the default) uses
-them where inductor works and otherwise warns once and keeps the native path. Under a user's own
+them for CPU tensors where inductor finds a C++ compiler (otherwise it warns once and keeps the native path) and
+the native path on CUDA, where it measured faster. Under a user's own
 ``torch.compile`` the layer's ops are traced into the user's graph as before, whatever the switch says.
 
 Exactness: the shard sums are taken about the shard's first value per channel (a shift that removes a large mean
@@ -61,8 +62,9 @@ def set_kernels(mode: str) -> None:
     ``"native"`` is the native-op path (torch's batch-norm kernels and a float64 copy of the activation for the
     statistics); ``"compiled"`` uses this module's kernels, compiled by ``torch.compile`` with inductor on first use
     (dynamic shapes: one graph per direction for each dtype and memory format, shared by every layer, rank and batch
-    size); ``"auto"`` uses the compiled kernels where inductor can build them (a C++ compiler for CPU tensors,
-    Triton for CUDA tensors) and falls back to native with one warning naming why. Overrides
+    size); ``"auto"`` uses the compiled kernels for CPU tensors where inductor finds a C++ compiler (else native,
+    with one warning naming why) and the native ones for CUDA tensors, where they measured faster (a GPU layer is
+    bound by per-call host work; docs/performance.md). Overrides
     ``SYNCBN_DIST_KERNELS``. Under a user's ``torch.compile``, in forward-mode AD, in
     ``backward(create_graph=True)``, under a ``TorchDispatchMode`` and for shards of at most one value per channel
     the native ops run whatever the mode. Both kernel sets give the global-batch result and send the same
@@ -106,7 +108,9 @@ def use_compiled(input: Tensor) -> bool:
     if is_compiling() or input.size(1) == 0 or _values_per_channel(input) < 2 or _dispatch_mode_active():
         return False
     mode = get_kernels()
-    if mode == "native":
+    # "auto" compiles for CPU tensors only: on CUDA the native kernels measured faster (a GPU layer is bound by
+    # per-call host work there, which the compiled regions' wrappers add to; docs/performance.md, "On CUDA").
+    if mode == "native" or (mode == "auto" and input.device.type != "cpu"):
         return False
     missing = _missing_compiler(input.device.type)
     if missing is None:

@@ -69,6 +69,20 @@ def test_environment_selects_the_mode_and_set_kernels_overrides_it(
     assert get_kernels() == "native"
 
 
+def test_auto_compiles_for_cpu_tensors_only(monkeypatch: pytest.MonkeyPatch, fresh_kernels: None) -> None:
+    """"auto" takes the compiled kernels for a CPU tensor (a compiler is installed here) and the native ones, with no
+    warning, for any other device (CUDA measured faster on native); "compiled" still refuses where inductor has no
+    kernels for the device."""
+    monkeypatch.setenv(kernels.KERNELS_ENV, "auto")
+    assert kernels.use_compiled(torch.empty(4, 3, 2))
+    meta = torch.empty(4, 3, 2, device="meta")  # a non-CPU device that exists on every machine
+    with warnings_as_errors():
+        assert not kernels.use_compiled(meta)
+    set_kernels("compiled")
+    with pytest.raises(RuntimeError, match="not built for meta tensors"):
+        kernels.use_compiled(meta)
+
+
 def _clip_layer_step(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """One training step of a clip-mode layer with no peers: the compiled path's region with no collective."""
     layer = SyncBatchNorm(x.size(1))
