@@ -362,6 +362,33 @@ def _outside_ddp_forward(compiled: Callable[..., Any], *args: Any) -> Any:
 
 
 # Held for the first call of every signature: one compilation at a time, under the config patch above it.
+@functools.cache
+def install_placeholder_cuda_guard() -> None:
+    """Have torch install its placeholder CUDA device guard from a thread that lives as long as the process.
+
+    With no usable GPU, every FakeTensorMode entry (each trace of torch.compile) calls
+    ``torch._C._ensureCUDADeviceGuardSet``. On torch 2.11's CUDA wheel its first call puts a guard owned by the
+    calling thread (a ``thread_local``) into the process-wide registry: when a replica thread traced first, the
+    registry points at freed memory once that thread ends, and the next device-guard lookup (a backward, another
+    trace) segfaults. torch 2.12 does not. Called before the first compilation and before replica threads start:
+    from the main thread it installs the guard there; from any other thread, in a parked daemon thread.
+    """
+    if torch.cuda.is_available() or not hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
+        return
+    if threading.current_thread() is threading.main_thread():
+        torch._C._ensureCUDADeviceGuardSet()
+        return
+    installed = threading.Event()
+
+    def own_the_guard() -> None:
+        torch._C._ensureCUDADeviceGuardSet()
+        installed.set()
+        threading.Event().wait()  # parked: the guard lives as long as this thread
+
+    threading.Thread(target=own_the_guard, name="syncbn_dist-cuda-guard", daemon=True).start()
+    installed.wait()
+
+
 _FIRST_CALL_LOCK = threading.Lock()
 
 
@@ -387,6 +414,7 @@ class _CompiledKernel:
             return _outside_ddp_forward(compiled, x, *args)
         # No duck sizing: sizes that happen to be equal at the first call (N == C) would otherwise share a symbol,
         # and every later call where they differ would recompile, until Dynamo's recompile limit fails the call.
+        install_placeholder_cuda_guard()
         with _FIRST_CALL_LOCK, fx_config.patch(use_duck_shape=False):
             compiled = self.compiled.get(signature)
             if compiled is None:

@@ -11,6 +11,7 @@ import torch.utils._pytree
 from torch import Tensor, nn
 
 from .comm.replica import ReplicaSyncError, Replication, SyncMaster
+from .kernels import install_placeholder_cuda_guard
 
 __all__ = [
     "CallbackContext",
@@ -293,20 +294,6 @@ def _cpu_autocast_state() -> tuple[bool, torch.dtype]:
         return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
 
 
-@functools.cache
-def _install_placeholder_cuda_guard() -> None:
-    """Let torch install its placeholder CUDA device guard from this thread, once, before any replica thread can.
-
-    With no usable GPU, every FakeTensorMode entry (each trace of torch.compile, the compiled kernels' included) calls
-    ``torch._C._ensureCUDADeviceGuardSet``. On torch 2.11's CUDA wheel its first call puts a guard owned by the
-    calling thread (a ``thread_local``) into the process-wide registry: a replica thread that traced first leaves the
-    registry pointing at freed memory when it exits, and the autograd engine's next device-guard lookup segfaults
-    (CPU replicas on the compiled kernels; 2.12 does not). The thread that starts the replicas outlives them.
-    """
-    if not torch.cuda.is_available() and hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
-        torch._C._ensureCUDADeviceGuardSet()
-
-
 def run_replicas_in_threads(
     replicas: Sequence[Callable[..., Any]],
     inputs: Sequence[tuple[Any, ...]],
@@ -322,7 +309,7 @@ def run_replicas_in_threads(
     Raises:
         Exception: the first exception raised by a replica.
     """
-    _install_placeholder_cuda_guard()
+    install_placeholder_cuda_guard()
     grad_enabled = torch.is_grad_enabled()
     autocast_enabled, autocast_dtype = _cpu_autocast_state()
     outputs: list[Any] = [None] * len(replicas)
