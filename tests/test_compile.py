@@ -261,6 +261,7 @@ def test_safety_features_under_compile() -> None:
 
 _JOB = textwrap.dedent(
     """
+    import gc
     import torch, torch.distributed as dist, torch.nn as nn
     import syncbn_dist
 
@@ -278,9 +279,10 @@ _JOB = textwrap.dedent(
         train()
     finally:
         # The exit sequence docs/compile.md gives: drop dynamo's compiled caches (they keep the model, and so the
-        # process group, alive) before destroying the group, so that no gloo object is left to be destroyed
-        # during interpreter finalization, which can abort the process.
+        # process group, alive) and collect the cycles they leave before destroying the group, so that no gloo
+        # object is left to be destroyed during interpreter finalization, which can abort the process.
         torch._dynamo.reset()
+        gc.collect()
         dist.destroy_process_group()
     """
 )

@@ -19,6 +19,7 @@ Jobs started as subprocesses under torchrun get :func:`launch.common.torchrun.en
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import pickle
@@ -58,7 +59,10 @@ def _entry(
         try:
             value = worker(rank, world_size, *args)
         finally:
-            torch._dynamo.reset()  # compiled code's caches hold the process group: release them first (docs/compile.md)
+            # Compiled code's caches hold the process group: release them and collect what they leave first
+            # (docs/compile.md, "Exiting a compiled job").
+            torch._dynamo.reset()
+            gc.collect()
             dist.destroy_process_group()
         # Plain pickle bytes, not torch's shared-memory tensor sharing: a worker's tensors would otherwise be
         # received through file descriptors of a process that may already have exited.
