@@ -64,7 +64,7 @@ def set_kernels(mode: str) -> None:
     (dynamic shapes: one graph per direction for each dtype and memory format, shared by every layer, rank and batch
     size); ``"auto"`` uses the compiled kernels for CPU tensors where inductor finds a C++ compiler (else native,
     with one warning naming why) and the native ones for CUDA tensors, where they measured faster (a GPU layer is
-    bound by per-call host work; docs/performance.md). Overrides
+    bound by per-call host work; docs/performance_cuda.md). Overrides
     ``SYNCBN_DIST_KERNELS``. Under a user's ``torch.compile``, in forward-mode AD, in
     ``backward(create_graph=True)``, under a ``TorchDispatchMode`` and for shards of at most one value per channel
     the native ops run whatever the mode. Both kernel sets give the global-batch result and send the same
@@ -109,7 +109,7 @@ def use_compiled(input: Tensor) -> bool:
         return False
     mode = get_kernels()
     # "auto" compiles for CPU tensors only: on CUDA the native kernels measured faster (a GPU layer is bound by
-    # per-call host work there, which the compiled regions' wrappers add to; docs/performance.md, "On CUDA").
+    # per-call host work there, which the compiled regions' wrappers add to; docs/performance_cuda.md).
     if mode == "native" or (mode == "auto" and input.device.type != "cpu"):
         return False
     missing = _missing_compiler(input.device.type)
@@ -361,7 +361,6 @@ def _outside_ddp_forward(compiled: Callable[..., Any], *args: Any) -> Any:
         DistributedDataParallel._active_ddp_module = active
 
 
-# Held for the first call of every signature: one compilation at a time, under the config patch above it.
 @functools.cache
 def install_placeholder_cuda_guard() -> None:
     """Have torch install its placeholder CUDA device guard from a thread that lives as long as the process.
@@ -389,6 +388,7 @@ def install_placeholder_cuda_guard() -> None:
     installed.wait()
 
 
+# Held for the first call of every signature: one compilation at a time, under the config patch above it.
 _FIRST_CALL_LOCK = threading.Lock()
 
 
