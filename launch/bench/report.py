@@ -268,7 +268,7 @@ def markdown(summary: dict[str, Any]) -> str:
         beside_torch = any(torch_fn in c["median_ms"] for c in micro["cases"])
         rows = [
             [str(tuple(c["shape"])), c["dtype"], c["memory_format"], fmt(c.get("compiled_ratio"), ".2f"),
-             fmt(c["median_ms"]["syncbn_dist"] / c["median_ms"]["F.batch_norm + collectives"], ".2f")]
+             fmt(_ratio(c["median_ms"], "syncbn_dist", "F.batch_norm + collectives"), ".2f")]
             + ([fmt(_ratio(c["median_ms"], "syncbn_dist compiled", torch_fn), ".2f")] if beside_torch else [])
             for c in micro["cases"] if "F.batch_norm + collectives" in c["median_ms"]
         ]
