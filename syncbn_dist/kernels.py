@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
+from torch._dynamo import config as dynamo_config
 from torch.fx.experimental import _config as fx_config
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -393,29 +394,33 @@ _FIRST_CALL_LOCK = threading.Lock()
 
 
 class _CompiledKernel:
-    """``torch.compile(fn, dynamic=True, fullgraph=True)`` per signature (:func:`_signature`), built on first use.
+    """``torch.compile(fn, dynamic=True, fullgraph=True)`` per signature, built on first use.
 
-    Each signature compiles a copy of ``fn``'s code object, so each has its own Dynamo cache and recompilation
-    limit (a process that meets many dtypes and layouts would exhaust a single one); a lock around the first call
-    of a signature makes replica threads that meet it together compile it once, and sizes that happen to be equal
-    then get symbols of their own (no duck sizing), so a signature compiles once.
+    A signature is the first tensor's device, dtype, layout and sizes of one, and the values of the arguments that
+    are not tensors (``eps``, ``clip``, the group name): each is a constant of its graph. A float would otherwise
+    be a symbolic input that every call converts to a tensor, and a layer with another ``eps`` gets a graph of its
+    own (models use one ``eps``). Each signature compiles a copy of ``fn``'s code object, so each has its own Dynamo
+    cache and recompilation limit (a process that meets many dtypes and layouts would exhaust a single one); a lock
+    around the first call of a signature makes replica threads that meet it together compile it once, and sizes that
+    happen to be equal then get symbols of their own (no duck sizing), so a signature compiles once.
     """
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
-    def __call__(self, x: Tensor, *args: Any, key: tuple[Any, ...] = ()) -> Any:
+    def __call__(self, x: Tensor, *args: Any) -> Any:
         # Sizes of 0 and 1 are specialized by Dynamo even with dynamic shapes: N, C and L of one are signatures.
         sizes_of_one = (x.size(0) == 1, x.size(1) == 1, x.size(2) == 1)
-        signature = (x.device.type, x.dtype, x.stride(1) == 1, *sizes_of_one, *key)
+        constants = tuple(arg for arg in args if not isinstance(arg, Tensor))
+        signature = (x.device.type, x.dtype, x.stride(1) == 1, *sizes_of_one, *constants)
         compiled = self.compiled.get(signature)
         if compiled is not None:
             return _outside_ddp_forward(compiled, x, *args)
         # No duck sizing: sizes that happen to be equal at the first call (N == C) would otherwise share a symbol,
         # and every later call where they differ would recompile, until Dynamo's recompile limit fails the call.
         install_placeholder_cuda_guard()
-        with _FIRST_CALL_LOCK, fx_config.patch(use_duck_shape=False):
+        with _FIRST_CALL_LOCK, fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
             compiled = self.compiled.get(signature)
             if compiled is None:
                 fn = self.fn
@@ -480,7 +485,7 @@ def layer_forward(
     """
     x = _as_3d(input)
     y, mean, unbiased_var, var, count, _ = _forward_region(
-        x, _affine(weight, x, 1.0), _affine(bias, x, 0.0), eps, clip, group_name, key=(clip, group_name)
+        x, _affine(weight, x, 1.0), _affine(bias, x, 0.0), eps, clip, group_name
     )
     return _in_shape_of(y, input), mean, unbiased_var, var, count
 
@@ -496,7 +501,6 @@ def layer_backward(
     x = _as_3d(input)
     dx, sum_dy_xhat, sum_dy, *_ = _backward_region(
         _as_3d(grad_output), x, _affine(weight, x, 1.0), mean, var, count, eps, clip, group_name, need_input,
-        key=(clip, group_name, need_input),
     )
     return None if dx is None else _in_shape_of(dx, input), sum_dy_xhat, sum_dy
 
@@ -511,7 +515,7 @@ def normalized(
 ) -> Tensor:
     """:func:`normalize` compiled: the output in the input's shape, dtype and memory format."""
     x = _as_3d(input)
-    y = _normalize(x, total.detach(), _affine(weight, x, 1.0), _affine(bias, x, 0.0), eps, clip, key=(clip,))[0]
+    y = _normalize(x, total.detach(), _affine(weight, x, 1.0), _affine(bias, x, 0.0), eps, clip)[0]
     return _in_shape_of(y, input)
 
 

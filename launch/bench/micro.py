@@ -227,8 +227,8 @@ def compiled_bytes_per_element(x: Tensor) -> float:
     try:
         with config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
             metrics.reset()
-            _, mean, _, var, count, _ = forward(x3, weight, weight * 0, _EPS, False, None, key=("bytes",))
-            backward(torch.ones_like(x3), x3, weight, mean, var, count, _EPS, False, None, True, key=("bytes",))
+            _, mean, _, var, count, _ = forward(x3, weight, weight * 0, _EPS, False, None)
+            backward(torch.ones_like(x3), x3, weight, mean, var, count, _EPS, False, None, True)
             accessed = metrics.num_bytes_accessed
     finally:
         torch._logging.set_logs()
