@@ -8,6 +8,7 @@
   and every output and gradient equals float64 ``nn.BatchNorm`` on the global batch; under a user's
   ``torch.compile`` the kernels are not called.
 - An inplace activation after the layer trains as on the native kernels (the output is not a view).
+- eps is a constant of its compiled graph: a second eps compiles a second graph, the first is reused.
 
 Exactness on every path is also asserted by the existing suites, parametrized over both kernel sets with the
 ``kernel_mode`` fixture (tests/conftest.py).
@@ -265,6 +266,20 @@ def test_sizes_equal_at_the_first_call_do_not_recompile_later_ones(
         assert_close(kernels.payload(x), expected, f"payload, batch {batch}", rtol=1e-13, atol=1e-13)
     assert kernels._shard_payload.graphs() == 1
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_eps_is_a_constant_of_its_graph(monkeypatch: pytest.MonkeyPatch, fresh_kernels: None) -> None:
+    """eps is compiled into the graph rather than passed as a symbolic float (a tensor made every call): a layer with
+    another eps gets a graph of its own, the first eps's graph is reused, and each normalizes by its own eps."""
+    monkeypatch.setenv(kernels.KERNELS_ENV, "compiled")
+    x = torch.randn(6, 3, 5, generator=torch.Generator().manual_seed(5)) * 0.01  # var ~ 1e-4: eps shows
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for eps in (1e-5, 1e-3, 1e-5):
+        out = kernels.normalized(x, kernels.payload(x), None, None, eps, False)
+        expected = F.batch_norm(x.double(), None, None, training=True, eps=eps)
+        assert_close(out, expected, f"eps {eps}", rtol=0.0, atol=1e-5)
+    assert kernels._normalize.graphs() == 2 and kernels._shard_payload.graphs() == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 3
 
 
 # ResNet-50's BatchNorm layers (torchvision's resnet50: the stem, then 3, 4, 6, 3 bottlenecks of
