@@ -247,13 +247,20 @@ def normalize(
     return y.to(x.dtype), mean_s, (m2 / (count - 1.0)).to(dtype), var.to(dtype), count, scale_s
 
 
-def grad_reductions(dy: Tensor, x: Tensor, mean: Tensor, var: Tensor, eps: float) -> Tensor:
-    """This shard's ``[sum(dy) (C), sum(dy * x_hat) (C)]`` as (2C,) float64, from one pass over ``dy`` and ``x``."""
-    terms = _term_dtype(x)
+def grad_reductions(dy: Tensor, x: Tensor, mean: Tensor, var: Tensor, ones: Optional[Tensor], eps: float) -> Tensor:
+    """This shard's ``[sum(dy) (C), sum(dy * x_hat) (C)]`` as (2C,) float64, from one pass over ``dy`` and ``x``.
+
+    ``ones`` (C,) holds 1.0 or is None (:func:`channel_ones`): ``sum(dy * ones)`` is ``sum(dy)``, indexed by channel as
+    ``sum(dy * x_hat)`` is, so inductor gives both sums one loop nest and fuses them. Without it inductor flattens
+    the first stage of ``sum(dy)`` to (N * C, L) where the inputs are contiguous, and reads ``dy`` twice (float16 and
+    bfloat16, whose row sums are two stages: 20 B per bfloat16 element against 16).
+    """
+    terms, shape = _term_dtype(x), _channel_shape(x)
     grad = dy.to(terms)
-    centred = x.to(terms) - mean.to(terms).view(_channel_shape(x))
+    centred = x.to(terms) - mean.to(terms).view(shape)
     invstd = torch.rsqrt(var.to(_F64) + eps)
-    return torch.cat([_sum_per_channel(grad), _sum_per_channel(grad * centred) * invstd])
+    per_channel_grad = grad if ones is None else grad * ones.view(shape)
+    return torch.cat([_sum_per_channel(per_channel_grad), _sum_per_channel(grad * centred) * invstd])
 
 
 def grad_input(
@@ -279,12 +286,12 @@ def grad_input(
 
 
 def scaled_grad_and_reductions(
-    dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, eps: float
+    dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, ones: Optional[Tensor], eps: float
 ) -> tuple[Tensor, ...]:
     """``weight * invstd * dy`` in ``dy``'s dtype with this shard's ``[sum(dy), sum(dy * x_hat)]`` as (2C,) float64,
     from one pass over ``dy`` and ``x`` (the DataParallel path's ``_Normalize`` backward). Returns
     ``(scaled, reductions, scale)``."""
-    reductions = grad_reductions(dy, x, mean, var, eps)
+    reductions = grad_reductions(dy, x, mean, var, ones, eps)
     invstd = torch.rsqrt(var.to(_F64) + eps)
     dtype = _stat_dtype(x)
     scale = (invstd if weight is None else invstd * weight.to(_F64)).to(dtype)
@@ -327,14 +334,14 @@ def forward_region(
 
 
 def backward_region(
-    dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, var: Tensor, count: Tensor, eps: float, clip: bool,
-    group_name: Optional[str], need_input: bool,
+    dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, var: Tensor, count: Tensor, ones: Optional[Tensor],
+    eps: float, clip: bool, group_name: Optional[str], need_input: bool,
 ) -> tuple[Optional[Tensor], ...]:
     """One layer's backward over a process group: local reductions, all_reduce, grad_input. Returns
     ``(grad_input or None, sum(dy * x_hat), sum(dy), *coefficients)``: the parameter gradients are the local sums
     (DistributedDataParallel averages them, as with ``torch.nn.SyncBatchNorm``), and :func:`grad_input`'s
     per-channel coefficients are returned so that they are stored, not recomputed."""
-    local = grad_reductions(dy, x, mean, var, eps)
+    local = grad_reductions(dy, x, mean, var, ones, eps)
     sum_dy, sum_dy_xhat = local.chunk(2)
     # The collective runs whether or not grad_input is needed: every member sends the same collectives.
     total = _all_reduce(local, group_name)
@@ -460,6 +467,13 @@ def _as_3d(t: Tensor) -> Tensor:
     return t.unsqueeze(2) if t.dim() == 2 else t.flatten(2)
 
 
+def channel_ones(x: Tensor) -> Optional[Tensor]:
+    """The ``ones`` of :func:`grad_reductions`: (C,) ones in the dtype of the reductions' terms where their sums are
+    taken in two stages over contiguous input (float16/bfloat16), else None."""
+    terms = _term_dtype(x)
+    return None if terms == _F64 or x.stride(1) == 1 else x.new_ones(x.size(1), dtype=terms)
+
+
 def _in_shape_of(t: Tensor, input: Tensor) -> Tensor:
     """``t`` (N, C, L) in ``input``'s shape, as a tensor of its own on the same storage rather than a view: autograd
     forbids modifying a view made inside a custom Function in place (an inplace ReLU after the layer)."""
@@ -500,7 +514,8 @@ def layer_backward(
     """
     x = _as_3d(input)
     dx, sum_dy_xhat, sum_dy, *_ = _backward_region(
-        _as_3d(grad_output), x, _affine(weight, x, 1.0), mean, var, count, eps, clip, group_name, need_input,
+        _as_3d(grad_output), x, _affine(weight, x, 1.0), mean, var, count, channel_ones(x), eps, clip, group_name,
+        need_input,
     )
     return None if dx is None else _in_shape_of(dx, input), sum_dy_xhat, sum_dy
 
@@ -526,7 +541,7 @@ def scaled_grad(
     (C,) float64; ``grad_output`` in the input's memory format."""
     x = _as_3d(input)
     scaled, reductions, _ = _scaled_grad_and_reductions(
-        _as_3d(grad_output), x, _affine(weight, x, 1.0), mean, var, eps
+        _as_3d(grad_output), x, _affine(weight, x, 1.0), mean, var, channel_ones(x), eps
     )
     sum_dy, sum_dy_xhat = reductions.chunk(2)
     return _in_shape_of(scaled, input), sum_dy, sum_dy_xhat

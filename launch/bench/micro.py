@@ -228,7 +228,8 @@ def compiled_bytes_per_element(x: Tensor) -> float:
         with config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
             metrics.reset()
             _, mean, _, var, count, _ = forward(x3, weight, weight * 0, _EPS, False, None)
-            backward(torch.ones_like(x3), x3, weight, mean, var, count, _EPS, False, None, True)
+            ones = kernels.channel_ones(x3)
+            backward(torch.ones_like(x3), x3, weight, mean, var, count, ones, _EPS, False, None, True)
             accessed = metrics.num_bytes_accessed
     finally:
         torch._logging.set_logs()
