@@ -21,14 +21,21 @@ __all__ = ["eager_replica_thread", "is_compiling"]
 _thread = threading.local()
 
 
-@torch.compiler.assume_constant_result
 def is_compiling() -> bool:
     """``torch.compiler.is_compiling()``, except in a DataParallel replica thread's eager forward (always False).
 
-    Dynamo evaluates it once while tracing (``assume_constant_result``: the tracing thread is never inside a
-    replica's eager forward, so it is True there) instead of tracing the thread-local read.
+    Dynamo reads ``torch.compiler.is_compiling()`` as True while it traces, and :func:`_in_eager_replica` once
+    (``assume_constant_result``: the tracing thread is never inside a replica's eager forward) instead of tracing
+    the thread-local read. The whole function is not ``assume_constant_result``: torch 2.11 evaluates such a
+    function outside the trace, where ``torch.compiler.is_compiling()`` is False, so every traced branch would take
+    the eager path (host reads, graph breaks).
     """
-    return torch.compiler.is_compiling() and not getattr(_thread, "eager_replica", False)
+    return torch.compiler.is_compiling() and not _in_eager_replica()
+
+
+@torch.compiler.assume_constant_result
+def _in_eager_replica() -> bool:
+    return getattr(_thread, "eager_replica", False)
 
 
 @contextlib.contextmanager

@@ -9,6 +9,8 @@
   the global-count-1 error on every rank, debug mode (runs the layer eagerly: one graph break per layer), and
   activation checkpointing (refused by dynamo with fullgraph=True; otherwise eager, with one running-stats update).
 - A compiled job exits 0 under torchrun, every time.
+- ``syncbn_dist.tracing.is_compiling`` is True in a frame Dynamo traces and False in a replica thread's eager
+  forward (torch 2.11 evaluated an ``assume_constant_result`` function outside the trace, where it was False).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import Tensor, nn
 import syncbn_dist
 from launch.common.spawn import run_distributed
 from launch.common.torchrun import env_outside_torchrun
+from syncbn_dist.tracing import eager_replica_thread, is_compiling
 
 C = 4
 # Per-rank batch sizes of each step: uneven, then an empty rank (the last rank), then even.
@@ -318,3 +321,18 @@ def test_clip_mode_without_peers_compiles_whole_and_equals_eager() -> None:
     for eager, traced in zip(*results):
         # The same float64 kernels in both; the compiled graph may reorder a few float64 operations.
         torch.testing.assert_close(traced, eager, rtol=1e-12, atol=1e-12)
+
+
+def test_is_compiling_is_true_while_dynamo_traces_and_false_in_an_eager_replica() -> None:
+    def branch(x: Tensor) -> Tensor:
+        return x + 1.0 if is_compiling() else x - 1.0
+
+    assert torch.compile(branch, fullgraph=True, backend="eager")(torch.zeros(1)).item() == 1.0
+    assert branch(torch.zeros(1)).item() == -1.0
+
+    def in_replica(x: Tensor) -> Tensor:  # a frame of its own: a fresh trace, nothing cached
+        return x + 1.0 if is_compiling() else x - 1.0
+
+    # torch.compiler.is_compiling() is True during any trace, process-wide; a replica's eager forward must not see it.
+    with eager_replica_thread():
+        assert torch.compile(in_replica, fullgraph=True, backend="eager")(torch.zeros(1)).item() == -1.0
