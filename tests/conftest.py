@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 
@@ -15,6 +16,18 @@ from syncbn_dist.kernels import KERNELS_ENV
 # environment, so that the ranks tests spawn inherit it; ``SYNCBN_DIST_KERNELS=compiled make test`` runs it all
 # compiled.
 os.environ.setdefault(KERNELS_ENV, "native")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Write yapf's grammar cache once, in the process that starts the xdist workers, before it starts them.
+
+    yapf (imported by mmengine and mmcv) writes its grammar pickle to the user cache on its first import after an
+    install, in place; two processes importing it together (two ranks of tests/test_torch_patch.py in a fresh venv)
+    can load the half-written file: ``EOFError: Ran out of input`` (seen once in a fresh clone). Written here, it is
+    only read after.
+    """
+    if not hasattr(config, "workerinput") and importlib.util.find_spec("yapf") is not None:
+        import yapf.yapflib.yapf_api  # noqa: F401  (mmengine's import: it loads the grammars, writing the cache)
 
 
 # World sizes 2 and 3 on the native kernels and 2 on the compiled ones, for the costliest gloo suites: world size 2
