@@ -404,12 +404,13 @@ class _CompiledKernel:
     """``torch.compile(fn, dynamic=True, fullgraph=True)`` per signature, built on first use.
 
     A signature is the first tensor's device, dtype, layout and sizes of one, and the values of the arguments that
-    are not tensors (``eps``, ``clip``, the group name): each is a constant of its graph. A float would otherwise
-    be a symbolic input that every call converts to a tensor, and a layer with another ``eps`` gets a graph of its
-    own (models use one ``eps``). Each signature compiles a copy of ``fn``'s code object, so each has its own Dynamo
-    cache and recompilation limit (a process that meets many dtypes and layouts would exhaust a single one); a lock
-    around the first call of a signature makes replica threads that meet it together compile it once, and sizes that
-    happen to be equal then get symbols of their own (no duck sizing), so a signature compiles once.
+    are not tensors (``eps``, ``clip``, the group name, ``need_input``, an absent ``ones``): each is a constant of its
+    graph. A float would otherwise be a symbolic input that every call converts to a tensor, and a layer with another
+    ``eps`` gets a graph of its own (models use one ``eps``). Each signature compiles a copy of ``fn``'s code object,
+    so each has its own Dynamo cache and recompilation limit (a process that meets many dtypes and layouts would
+    exhaust a single one); a lock around the first call of a signature makes replica threads that meet it together
+    compile it once, and sizes that happen to be equal then get symbols of their own (no duck sizing), so a signature
+    compiles once.
     """
 
     def __init__(self, fn: Callable[..., Any]) -> None:
