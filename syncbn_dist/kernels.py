@@ -203,22 +203,27 @@ def _term_dtype(x: Tensor) -> torch.dtype:
 # than recomputing them (rsqrt in float64) at every element.
 
 
-def shard_payload(x: Tensor) -> Tensor:
+def shard_payload(x: Tensor) -> tuple[Tensor, Tensor]:
     """``[sum(x) (C), sum(x**2) (C), count]`` of one shard as (2C + 1,) float64, from one pass over ``x``.
 
     The sums are taken about ``s``, the shard's first value per channel: ``d = x - s`` (float64 for float32 input,
     float32 for float16/bfloat16: :func:`_term_dtype`) is exact and small next to a large mean, so ``sum(d**2)``
     keeps the variance; then
     ``sum(x) = sum(d) + n s`` and ``sum(x**2) = sum(d**2) + s (2 sum(d) + n s)`` (Chan et al. 1979, as sums).
+
+    Returns ``(payload, s)``. ``s`` (C,) is returned so that inductor stores it as a buffer of its own: inlined, the
+    kernel that finishes a two-stage sum (channels-innermost input, :func:`_sum_per_channel`) reloads it from ``x``,
+    and inductor's byte count charges that load of C values as a whole pass over ``x`` (4 B per float32 element).
     """
     count = x.numel() // x.size(1)
     terms = _term_dtype(x)
     shift = x[(0, slice(None)) + (0,) * (x.dim() - 2)].to(terms)
     centred = x.to(terms) - shift.view(_channel_shape(x))
     sums, squares = _sum_per_channel(centred), _sum_per_channel(centred.square())
-    shift = shift.to(_F64)
-    absolute_sums = sums + count * shift
-    return torch.cat([absolute_sums, squares + shift * (2.0 * sums + count * shift), sums.new_full((1,), count)])
+    shift_64 = shift.to(_F64)
+    absolute_sums = sums + count * shift_64
+    absolute_squares = squares + shift_64 * (2.0 * sums + count * shift_64)
+    return torch.cat([absolute_sums, absolute_squares, sums.new_full((1,), count)]), shift
 
 
 def normalize(
@@ -328,9 +333,10 @@ def forward_region(
     x: Tensor, weight: Tensor, bias: Tensor, eps: float, clip: bool, group_name: Optional[str]
 ) -> tuple[Tensor, ...]:
     """One layer's training forward over a process group: payload, all_reduce, normalize. Returns what
-    :func:`normalize` returns (the caller drops ``scale``, returned so that it is stored, not recomputed)."""
-    total = _all_reduce(shard_payload(x), group_name)
-    return normalize(x, total, weight, bias, eps, clip)
+    :func:`normalize` returns, then :func:`shard_payload`'s shift (the caller drops ``scale`` and the shift, returned
+    so that they are stored, not recomputed)."""
+    payload, shift = shard_payload(x)
+    return (*normalize(x, _all_reduce(payload, group_name), weight, bias, eps, clip), shift)
 
 
 def backward_region(
@@ -499,7 +505,7 @@ def layer_forward(
     (``var`` the normalizing variance); the (1,) float64 global count.
     """
     x = _as_3d(input)
-    y, mean, unbiased_var, var, count, _ = _forward_region(
+    y, mean, unbiased_var, var, count, *_ = _forward_region(
         x, _affine(weight, x, 1.0), _affine(bias, x, 0.0), eps, clip, group_name
     )
     return _in_shape_of(y, input), mean, unbiased_var, var, count
@@ -523,7 +529,7 @@ def layer_backward(
 
 def payload(input: Tensor) -> Tensor:
     """:func:`shard_payload` compiled: the (2C + 1,) float64 ``[sum(x), sum(x**2), count]`` of one shard."""
-    return _shard_payload(_as_3d(input))
+    return _shard_payload(_as_3d(input))[0]
 
 
 def normalized(

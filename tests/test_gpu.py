@@ -141,18 +141,17 @@ def test_cuda_sync_path_is_exact_at_a_large_mean(
     assert_close(running_mean.cpu(), rm_ref, "running_mean", rtol=1e-6, atol=0.0)
 
 
-@pytest.mark.parametrize("dtype, accesses", [(torch.float32, 9), (torch.bfloat16, 9)])
-def test_compiled_triton_kernels_access_each_activation_element_9_times_by_inductors_count(
-    dtype: torch.dtype, accesses: int
-) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_triton_kernels_access_each_activation_element_8_times(dtype: torch.dtype) -> None:
     """K3 on CUDA: inductor's count of the bytes the compiled forward + backward Triton kernels access, per element.
     The kernels pass over the activation 8 times, as torch.nn.SyncBatchNorm's CUDA kernels do (x; x, y; dy, x; dy,
-    x, dx: read from their Triton code on an H200); inductor's estimate counts 9, taking the statistics kernel's
-    load of the shift x[0, :, 0] for another read of x. The per-channel terms are under 1% at this shape."""
+    x, dx: read from their Triton code on an H200). Before the shift x[0, :, 0] became a graph output, inductor's
+    estimate counted 9, taking a kernel's load of the shift for another read of x (not yet run on a GPU since). The
+    per-channel terms are under 1% at this shape."""
     x = torch.randn(16, 32, 32, 32, generator=torch.Generator().manual_seed(0)).to("cuda", dtype)
-    budget = accesses * x.element_size()
     accessed = compiled_bytes_per_element(x)
-    assert budget <= accessed <= 1.01 * budget, accessed
+    assert accessed.activation == 8 * x.element_size(), accessed
+    assert accessed.activation < accessed.total <= 1.01 * accessed.activation, accessed
 
 
 def test_converted_module_on_cuda_matches_float64_batchnorm(nccl_world_of_one: None) -> None:

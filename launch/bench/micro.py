@@ -13,8 +13,11 @@ weight and bias), beside the modelled bytes of torch.nn.SyncBatchNorm's CUDA ker
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, NamedTuple
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,7 @@ _OPTIONAL = ("torch SyncBatchNorm fn",)
 # The baseline of the compiled kernels' targets: F.batch_norm plus syncbn_dist's two collectives.
 F_BATCH_NORM_WITH_COLLECTIVES = "F.batch_norm + collectives"
 COMPILED = "syncbn_dist compiled"
+COMPILED_WITH_PER_CHANNEL = "syncbn_dist compiled, with per-channel"
 # Variants whose kernels run inside a compiled graph: the op and byte counters (dispatch modes) cannot see them.
 _UNCOUNTED = (COMPILED,)
 # torch.nn.SyncBatchNorm's CUDA kernels touch each activation element 8 times at their interface: forward
@@ -181,7 +185,9 @@ def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str,
                 bytes_per_element[TORCH_SYNCBN_MODEL] = TORCH_SYNCBN_CUDA_ACCESSES_PER_ELEMENT * case.x.element_size()
                 ratio = medians["syncbn_dist"] / medians["F.batch_norm"]
                 if micro["kernel_bytes"]:
-                    bytes_per_element[COMPILED] = compiled_bytes_per_element(case.x)
+                    compiled_bytes = compiled_bytes_per_element(case.x)
+                    bytes_per_element[COMPILED] = compiled_bytes.activation
+                    bytes_per_element[COMPILED_WITH_PER_CHANNEL] = compiled_bytes.total
                 entry = {
                     "shape": list(shape),
                     "dtype": dtype_name,
@@ -213,10 +219,43 @@ def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str,
     }
 
 
-def compiled_bytes_per_element(x: Tensor) -> float:
+class CompiledBytes(NamedTuple):
+    """Bytes per activation element that inductor counts for one layer's compiled forward + backward kernels."""
+
+    activation: float  # accesses of buffers the activation's size (x, y, dy, dx): K3's figure
+    total: float  # with the per-channel tensors (statistics, coefficients, row sums): metrics.num_bytes_accessed
+
+
+@contextlib.contextmanager
+def _bytes_by_buffer_numel() -> Iterator[collections.Counter[int]]:
+    """Inductor's byte count of every graph compiled inside, split by the numel of the buffer accessed.
+
+    Inductor sums, per kernel, each buffer's accessed bytes (``get_read_write_buffer_accesses``) into
+    ``metrics.num_bytes_accessed`` (``GraphLowering.count_bytes``); this records the same per-buffer figures with the
+    buffer's element count, so that activation passes and per-channel tensors can be told apart.
+    """
+    from torch._inductor.graph import GraphLowering
+
+    original = GraphLowering.count_bytes
+    by_numel: collections.Counter[int] = collections.Counter()
+
+    def counting(graph: GraphLowering) -> Any:
+        for node in graph.scheduler.nodes:
+            for name, accessed in node.get_read_write_buffer_accesses(include_reads=True, include_writes=True).items():
+                buffer = graph.name_to_buffer.get(name) or graph.graph_inputs[name]
+                by_numel[graph.sizevars.optimization_hint(buffer.get_numel(), fallback=0)] += accessed
+        return original(graph)
+
+    with mock.patch.object(GraphLowering, "count_bytes", counting):
+        yield by_numel
+
+
+def compiled_bytes_per_element(x: Tensor) -> CompiledBytes:
     """Bytes the compiled kernels of one layer's forward + backward access per element of ``x`` (inductor's
     ``torch._inductor.metrics.num_bytes_accessed``, from a fresh compilation of both regions: new kernel objects,
-    the FX graph and AOT autograd caches off); no collective in the regions, which changes no kernel."""
+    the FX graph and AOT autograd caches off); no collective in the regions, which changes no kernel. The
+    activation figure counts accesses of buffers with ``x.numel()`` elements only, as
+    :data:`TORCH_SYNCBN_CUDA_ACCESSES_PER_ELEMENT` counts torch.nn.SyncBatchNorm's."""
     from torch._inductor import config, metrics
 
     forward = kernels._CompiledKernel(kernels.forward_region)
@@ -225,12 +264,18 @@ def compiled_bytes_per_element(x: Tensor) -> float:
     weight = torch.ones(x.size(1), dtype=kernels._stat_dtype(x), device=x.device)
     torch._logging.set_logs(inductor_metrics=True)  # inductor counts bytes only while this log is on
     try:
-        with config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        with (
+            config.patch(fx_graph_cache=False),
+            torch._functorch.config.patch(enable_autograd_cache=False),
+            _bytes_by_buffer_numel() as by_numel,
+        ):
             metrics.reset()
-            _, mean, _, var, count, _ = forward(x3, weight, weight * 0, _EPS, False, None)
+            _, mean, _, var, count, *_ = forward(x3, weight, weight * 0, _EPS, False, None)
             ones = kernels.channel_ones(x3)
             backward(torch.ones_like(x3), x3, weight, mean, var, count, ones, _EPS, False, None, True)
             accessed = metrics.num_bytes_accessed
     finally:
         torch._logging.set_logs()
-    return round(accessed / x.numel(), 2)
+    if sum(by_numel.values()) != accessed:
+        raise RuntimeError(f"inductor's byte count {accessed} is not the sum of its buffers' {dict(by_numel)}")
+    return CompiledBytes(round(by_numel[x.numel()] / x.numel(), 2), round(accessed / x.numel(), 2))
