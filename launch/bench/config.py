@@ -94,6 +94,10 @@ class MicroConfig:
     compile_cost: bool = True
     # The compiled kernels' bytes per element by inductor's count (a fresh compilation per case).
     kernel_bytes: bool = True
+    # GLIBC_TUNABLES of the worker ("": inherit). By default glibc returns the freed top of the heap to the OS (trim)
+    # and mmaps large blocks afresh, so a layer's outputs are refilled by page faults on some calls and not others:
+    # up to 2000 a call at (32, 64, 28, 28), which swung F.batch_norm between 1.3 and 2.9 ms from run to run.
+    glibc_tunables: str = "glibc.malloc.trim_threshold=268435456:glibc.malloc.mmap_threshold=33554432"
 
 
 @dataclass

@@ -262,8 +262,16 @@ def markdown(summary: dict[str, Any]) -> str:
             "(launch/bench/micro.py). F.batch_norm + collectives: F.batch_norm plus syncbn_dist's two collectives "
             "(dummy payloads), the baseline of K1. syncbn_dist runs the native kernels, syncbn_dist compiled the "
             "compiled ones (syncbn_dist.kernels); the op counter cannot see inside a compiled graph, and the "
-            "compiled column's B/elem is inductor's num_bytes_accessed of its kernels in a fresh compilation.",
+            "compiled column's B/elem is inductor's num_bytes_accessed of its kernels in a fresh compilation: "
+            "accesses of activation-sized buffers, then with the per-channel tensors.",
         ]
+        if micro.get("glibc_tunables"):
+            out += [
+                "",
+                f"The worker ran with `GLIBC_TUNABLES={micro['glibc_tunables']}` (micro.glibc_tunables), so that no "
+                "variant's outputs are refilled by page faults: with glibc's defaults the freed top of the heap goes "
+                "back to the OS on some calls and not others, which swung F.batch_norm's time up to 2x between runs.",
+            ]
         torch_fn = "torch SyncBatchNorm fn"
         beside_torch = any(torch_fn in c["median_ms"] for c in micro["cases"])
         rows = [

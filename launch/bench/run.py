@@ -28,6 +28,7 @@ import platform
 import sys
 import time
 from typing import Any, Optional
+from unittest import mock
 
 import torch
 
@@ -114,15 +115,18 @@ def run(cfg: BenchConfig, scenarios: list[ScenarioConfig], command: str) -> dict
     micro = None
     if cfg.micro.enabled:
         print("[bench] microbenchmark ...", flush=True)
-        micro = run_distributed(
-            micro_worker,
-            1,
-            dataclasses.asdict(cfg.micro),
-            timeout=None,
-            collective_timeout=cfg.micro.timeout_s,
-            backend=micro_backend,
-            threads=cfg.micro.threads,
-        )[0]
+        tunables = {"GLIBC_TUNABLES": cfg.micro.glibc_tunables} if cfg.micro.glibc_tunables else {}
+        with mock.patch.dict(os.environ, tunables):  # the spawned worker reads them at start-up
+            micro = run_distributed(
+                micro_worker,
+                1,
+                dataclasses.asdict(cfg.micro),
+                timeout=None,
+                collective_timeout=cfg.micro.timeout_s,
+                backend=micro_backend,
+                threads=cfg.micro.threads,
+            )[0]
+        micro["glibc_tunables"] = cfg.micro.glibc_tunables
         if cfg.micro.compile_cost:
             print("[bench] compiled kernels' compile cost ...", flush=True)
             micro["compile_cost"] = compile_cost.measure("cuda" if micro_backend == "nccl" else "cpu")
