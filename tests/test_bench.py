@@ -213,6 +213,10 @@ def test_bench_runs_end_to_end_and_writes_json_markdown_png(tmp_path: Path) -> N
     table = (out / "performance.md").read_text()
     assert "| config | W | backend | (a) | (b) | (f) |" in table and "| P6 |" in table and "| P8 |" in table
     assert "| K1 |" in table and "| K3 |" in table
+    # Where the compiled layer's time goes: every case has the two breakdown variants, and the table has a row each.
+    breakdown = ("syncbn_dist compiled, no collective", "syncbn_dist compiled, regions replayed")
+    assert all(c["median_ms"][name] > 0 for c in micro["cases"] for name in breakdown)
+    assert table.count("| (4, 3, 4, 4) | float32 | contiguous |") == 3  # the case table, K1, the breakdown
     assert next(t for t in summary["targets"] if t["id"] == "K3")["detail"] == "not measured"
     assert "syncbn_dist B/elem" in table
     assert table in proc.stdout  # the table is printed too

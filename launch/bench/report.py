@@ -31,6 +31,40 @@ def _model_line(name: str, cfg: dict[str, Any], runs: list[dict[str, Any]]) -> s
     )
 
 
+def _time_breakdown(cases: list[dict[str, Any]]) -> list[str]:
+    """Where the compiled layer's time goes, beside where the baseline's goes (ms, medians of the same rounds)."""
+    parts = ("syncbn_dist compiled", "syncbn_dist compiled, no collective", "syncbn_dist compiled, regions replayed")
+    rows = []
+    for c in cases:
+        ms = c["median_ms"]
+        if not all(name in ms for name in (*parts, "F.batch_norm", "F.batch_norm + collectives")):
+            continue
+        compiled, no_collective, replayed = (ms[name] for name in parts)
+        rows.append(
+            [str(tuple(c["shape"])), c["dtype"], c["memory_format"], fmt(compiled), fmt(replayed),
+             fmt(no_collective - replayed), fmt(compiled - no_collective), fmt(ms["F.batch_norm + collectives"]),
+             fmt(ms["F.batch_norm"]), fmt(ms["F.batch_norm + collectives"] - ms["F.batch_norm"])]
+        )
+    if not rows:
+        return []
+    return [
+        "",
+        "Where the time goes (ms). Compiled = host work around the regions (both regions replaced by their first "
+        "results: the autograd Function, the running statistics, the engine) + the two regions without their "
+        "collectives (kernels and the per-call cost of Dynamo's guards, AOTAutograd's wrappers and inductor's "
+        "Python launcher: the layer compiled for a group of one) + the collectives. With no collective between "
+        "them inductor also fuses the statistics with the normalization, so the last column includes the pass "
+        "over the activation that the split costs where it is out of cache. Baseline = F.batch_norm + its two "
+        "collectives (dist.all_reduce in an autograd Function).",
+        "",
+        *_table(
+            ["shape", "dtype", "format", "compiled", "host work", "regions", "collectives (and the split)",
+             "baseline", "F.batch_norm", "its collectives"],
+            rows,
+        ),
+    ]
+
+
 def _ratio(medians: dict[str, float], numerator: str, denominator: str) -> Optional[float]:
     """``medians[numerator] / medians[denominator]``, None where either variant did not run."""
     if numerator not in medians or denominator not in medians:
@@ -286,6 +320,7 @@ def markdown(summary: dict[str, Any]) -> str:
             + (["compiled / torch SyncBatchNorm fn"] if beside_torch else []),
             rows,
         )
+        out += _time_breakdown(micro["cases"])
         if micro["device"] == "cpu":
             out += [
                 "",
