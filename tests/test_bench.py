@@ -342,3 +342,21 @@ def test_device_override_reaches_every_scenario_and_the_microbenchmark(tmp_path:
     # tiny has syncbn_dist_compiled: dynamo's DDP optimizer needs buckets of at least 1 MiB.
     with pytest.raises(ConfigError, match="tiny.yaml: config key 'bucket_cap_mb': compiled variants"):
         load_bench(config, ["scenario.bucket_cap_mb=0.5"])
+
+
+def test_kernel_profile_times_every_compiled_kernel_beside_torchs() -> None:
+    """launch.bench.kernel_profile compiles the layer with inductor's kernel profiling and reports each generated
+    kernel (statistics, normalize, backward reductions, grad_input: four over a process group) and torch's two."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.bench.kernel_profile", "shape=[4,3,4,4]", "steps=2", "warmup=1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert sum(" graph_" in line for line in lines) == 4, proc.stdout
+    assert any(line.endswith("aten::native_batch_norm") for line in lines), proc.stdout
+    assert any(line.endswith("aten::native_batch_norm_backward") for line in lines), proc.stdout
+    assert re.search(r"^compiled kernels [\d.]+ µs, torch's [\d.]+ µs, ratio [\d.]+$", lines[-1]), proc.stdout
