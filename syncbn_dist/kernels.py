@@ -46,6 +46,7 @@ from torch.fx.experimental import _config as fx_config
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .direct_call import DirectCall, GraphCallRecorder, recording_backend
 from .tracing import is_compiling
 
 __all__ = ["KERNEL_MODES", "get_kernels", "set_kernels"]
@@ -404,6 +405,9 @@ def install_placeholder_cuda_guard() -> None:
 
 # Held for the first call of every signature: one compilation at a time, under the config patch above it.
 _FIRST_CALL_LOCK = threading.Lock()
+# Whether a signature's later calls run its inductor graph directly (syncbn_dist.direct_call) where they can; the
+# torch.compile path otherwise. Read when a signature is first compiled.
+DIRECT_CALLS = True
 
 
 class _CompiledKernel:
@@ -422,12 +426,18 @@ class _CompiledKernel:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self.direct: dict[tuple[Any, ...], Optional[DirectCall]] = {}
 
     def __call__(self, x: Tensor, *args: Any) -> Any:
         # Sizes of 0 and 1 are specialized by Dynamo even with dynamic shapes: N, C and L of one are signatures.
         sizes_of_one = (x.size(0) == 1, x.size(1) == 1, x.size(2) == 1)
         constants = tuple(arg for arg in args if not isinstance(arg, Tensor))
         signature = (x.device.type, x.dtype, x.stride(1) == 1, *sizes_of_one, *constants)
+        direct = self.direct.get(signature)
+        if direct is not None:
+            result = direct((x, *args))
+            if result is not None:
+                return result
         compiled = self.compiled.get(signature)
         if compiled is not None:
             return _outside_ddp_forward(compiled, x, *args)
@@ -436,12 +446,18 @@ class _CompiledKernel:
         install_placeholder_cuda_guard()
         with _FIRST_CALL_LOCK, fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
             compiled = self.compiled.get(signature)
-            if compiled is None:
-                fn = self.fn
-                copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
-                compiled = torch.compile(copy, dynamic=True, fullgraph=True)
-            result = _outside_ddp_forward(compiled, x, *args)
+            if compiled is not None:  # another thread compiled it while this one waited
+                return _outside_ddp_forward(compiled, x, *args)
+            fn, record = self.fn, {}
+            copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
+            compiled = torch.compile(copy, backend=recording_backend(record), dynamic=True, fullgraph=True)
+            with GraphCallRecorder() as recorder:
+                result = _outside_ddp_forward(compiled, x, *args)
             self.compiled[signature] = compiled
+            if DIRECT_CALLS:
+                self.direct[signature] = DirectCall.build(
+                    fn, record.get("sources"), recorder.calls, (x, *args), result
+                )
             return result
 
     def graphs(self) -> int:
