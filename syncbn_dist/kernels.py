@@ -420,7 +420,8 @@ class _CompiledKernel:
     so each has its own Dynamo cache and recompilation limit (a process that meets many dtypes and layouts would
     exhaust a single one); a lock around the first call of a signature makes replica threads that meet it together
     compile it once, and sizes that happen to be equal then get symbols of their own (no duck sizing), so a signature
-    compiles once.
+    compiles once. Its later calls run its inductor graph directly where Dynamo's guards would pass them
+    (:class:`syncbn_dist.direct_call.DirectCall`, built from the first call), and through ``torch.compile`` otherwise.
     """
 
     def __init__(self, fn: Callable[..., Any]) -> None:
@@ -432,7 +433,7 @@ class _CompiledKernel:
         # Sizes of 0 and 1 are specialized by Dynamo even with dynamic shapes: N, C and L of one are signatures.
         sizes_of_one = (x.size(0) == 1, x.size(1) == 1, x.size(2) == 1)
         constants = tuple(arg for arg in args if not isinstance(arg, Tensor))
-        signature = (x.device.type, x.dtype, x.stride(1) == 1, *sizes_of_one, *constants)
+        signature = (x.device, x.dtype, x.stride(1) == 1, *sizes_of_one, *constants)
         direct = self.direct.get(signature)
         if direct is not None:
             result = direct((x, *args))
