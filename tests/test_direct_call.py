@@ -84,6 +84,21 @@ def test_later_calls_run_the_inductor_graph_directly_and_match_the_compiled_path
         _assert_same(kernel(*args), result)
 
 
+@pytest.mark.parametrize("clip", [False, True], ids=["plus", "clip"])
+def test_a_backward_without_grad_input_maps_its_absent_output(clip: bool) -> None:
+    """need_input=False: the region returns None for grad_input, which the graph does not compute."""
+    gen = torch.Generator().manual_seed(2)
+    kernel = kernels._CompiledKernel(kernels.backward_region)
+    x, dy = torch.randn(4, 6, 5, generator=gen), torch.randn(4, 6, 5, generator=gen)
+    args = list(_backward_args(x, dy))
+    args[-3], args[-1] = clip, False
+    kernel(*args)
+    direct = kernel.direct[_signature(kernel)]
+    result = direct(tuple(args))
+    assert result is not None and result[0] is None and len(result) == 3
+    _assert_same(result, kernel.compiled[_signature(kernel)](*args))
+
+
 def test_calls_dynamos_guards_would_treat_differently_take_the_compiled_path() -> None:
     """Each case makes DirectCall decline (None), and the kernel's answer is still the torch.compile path's."""
     gen = torch.Generator().manual_seed(1)
