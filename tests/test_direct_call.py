@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from launch.common.spawn import run_distributed
 from syncbn_dist import kernels
 from syncbn_dist.direct_call import DirectCall
 
@@ -131,3 +132,34 @@ def test_direct_calls_off_keeps_the_torch_compile_path(monkeypatch: pytest.Monke
     kernel(*args)
     assert kernel.direct == {}
     _assert_same(kernel(*args), kernel.compiled[_signature(kernel)](*args))
+
+
+def _eager_under_dynamo_worker(rank: int, world_size: int) -> bool:
+    import torch.distributed as dist
+
+    kernel = kernels._CompiledKernel(kernels.forward_region)
+    x = torch.randn(4, 6, 5, 3, generator=torch.Generator().manual_seed(rank))
+    x3, weight, bias, eps, clip, _ = _forward_args(x)
+    args = (x3, weight, bias, eps, clip, dist.group.WORLD.group_name)
+    with torch.no_grad():
+        expected = kernel(*args)  # compiled, and its direct call recorded
+
+        @torch.compiler.disable(recursive=False)  # runs eagerly; the calls it makes are still offered to Dynamo
+        def eager_frame(*args: Any) -> Any:
+            return kernel(*args)
+
+        @torch.compile(backend="inductor")
+        def user_step(*args: Any) -> Any:
+            return eager_frame(*args)
+
+        _assert_same(user_step(*args), expected)
+    return True
+
+
+@pytest.mark.distributed
+def test_a_region_called_eagerly_under_an_active_dynamo_callback_is_not_traced() -> None:
+    """A user's torch.compile can run the layer eagerly while Dynamo still intercepts new frames (a frame it skips,
+    e.g. past its recompile limit, offers every call below it to Dynamo). The region must then run as in eager
+    mode: traced, inductor's generated code failed to compile (its in-place functional all_reduce), a make bench
+    ResNet run with the user's model compiled."""
+    assert run_distributed(_eager_under_dynamo_worker, 2, timeout=240) == [True, True]
