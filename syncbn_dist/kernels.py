@@ -250,7 +250,9 @@ def normalize(
     y = (x.to(dtype) - mean_s.view(shape)) * scale_s.view(shape)
     if bias is not None:
         y = y + bias.to(dtype).view(shape)
-    return y.to(x.dtype), mean_s, (m2 / (count - 1.0)).to(dtype), var.to(dtype), count, scale_s
+    # count is returned as a copy: a view of the input total would be rebuilt outside the graph by AOTAutograd, and
+    # a region whose output is not one of its graph's own is not called directly (syncbn_dist.direct_call).
+    return y.to(x.dtype), mean_s, (m2 / (count - 1.0)).to(dtype), var.to(dtype), count.clone(), scale_s
 
 
 def grad_reductions(dy: Tensor, x: Tensor, mean: Tensor, var: Tensor, ones: Optional[Tensor], eps: float) -> Tensor:
