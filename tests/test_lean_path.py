@@ -153,7 +153,7 @@ def test_clip_mode_dataparallel_matches_hand_written_float64(clip_mode: None, on
     _check_clip([out.detach()], [x.grad], [x.detach()], [dy], layer, initial, "dataparallel")
 
 
-# Measured with torch 2.13 CPU, (4, 8, 3, 3) float32, world size 2 over gloo: native 342, compiled 462. Through
+# Measured with torch 2.13 CPU, (4, 8, 3, 3) float32, world size 2 over gloo: native 342, compiled 478. Through
 # torch.compile's per-call machinery (Dynamo's frame entry and guards, AOT autograd's wrappers) rather than direct
 # calls of the two regions' inductor graphs (syncbn_dist.direct_call), compiled was 759; with torch's own
 # Function.apply, which binds the arguments with inspect on every call (syncbn_dist.functions._apply), 513 and 912.
