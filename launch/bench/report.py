@@ -182,9 +182,9 @@ def markdown(summary: dict[str, Any]) -> str:
         "## Every variant: step time, aten ops, collectives, compilation",
         "",
         "aten ops: dispatched per training step (forward, backward, optimizer; launch/common/counting.py's OpCounter): "
-        "on a GPU each is a kernel launch or host work. n/c: not countable this way for compiled variants: under the "
-        "dispatch-mode counter they dispatch as many ops as eager (plain BN: the same count), so the counter does not "
-        "see the compiled graph (the raw count is in performance.json). Compiled: `torch.compile` of the DDP model "
+        "on a GPU each is a kernel launch or host work. n/c: not counted for compiled variants: Dynamo skips a frame "
+        "it meets under a dispatch mode (the counter) for good, so one counted step would leave the compiled model "
+        "eager for the timed rounds. Compiled: `torch.compile` of the DDP model "
         "(the scenario's compile_backend, inductor in make bench), compiled in warm-up (compile s, slowest rank). "
         "Collectives: counted by wrapping "
         "torch.distributed (DDP's gradient buckets run in C++ and are not counted). Graph breaks: counted by dynamo "

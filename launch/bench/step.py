@@ -6,8 +6,10 @@ the scenario's ``compile_backend``, compiled during warm-up), then:
 
 1. warms every variant up;
 2. runs one step of each variant under a :class:`~launch.common.counting.CollectiveCounter` (collectives per step and
-   bytes per collective, counted, by phase), and one under :class:`~launch.common.counting.OpCounter` (aten
-   ops dispatched per step: on a GPU each is a kernel launch or host-side work);
+   bytes per collective, counted, by phase), and, but for the compiled variants, one under
+   :class:`~launch.common.counting.OpCounter` (aten ops dispatched per step: on a GPU each is a kernel launch or
+   host-side work; Dynamo skips a frame it meets under a dispatch mode for good, which would leave a compiled
+   variant eager for its timed rounds);
 3. runs ``rounds`` interleaved rounds (``A B C probe, B C A probe, C A B probe, ...``: every variant once per
    round, the starting one rotating) so that machine drift and position effects hit every variant alike. A
    variant's time in a round is the mean of ``steps_per_round`` steps, the slowest rank's. The in-step floor
@@ -263,8 +265,13 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
             runner.step(counter)
         collectives[name] = counter.calls
     kernels.set_kernels(mode)
-    ops: dict[str, int] = {}
+    # Not the compiled variants: a frame Dynamo meets under a TorchDispatchMode (the counter) is skipped from then on,
+    # so one counted step would leave the model's forward eager, under Dynamo's callback, for every timed round.
+    ops: dict[str, Optional[int]] = {}
     for name, runner in runners.items():
+        if name.endswith(COMPILED_SUFFIX):
+            ops[name] = None
+            continue
         with OpCounter() as counter:
             runner.step()
         ops[name] = counter.total
