@@ -23,6 +23,7 @@ import yaml
 
 from launch.bench import run as bench
 from launch.bench.config import README_SECTION, ResolvedBenchConfig, ScenarioConfig, load_bench
+from launch.bench.kernel_profile import CUDA_VARIANTS
 from launch.bench.report import readme_tables
 from launch.common.config import ConfigError, load_config
 from launch.common.readme import read_section
@@ -327,7 +328,7 @@ def test_microbenchmark_on_cuda_includes_torch_syncbatchnorm_function(tmp_path: 
         assert case["errors"] == {}, case["errors"]
         assert set(case["median_ms"]) == {
             "F.batch_norm", "F.batch_norm + collectives", "syncbn_dist", "syncbn_dist compiled",
-            "torch SyncBatchNorm fn",
+            "syncbn_dist compiled, no collective", "syncbn_dist compiled, regions replayed", "torch SyncBatchNorm fn",
         }
         assert case["ops"]["torch SyncBatchNorm fn"] > 0
 
@@ -361,3 +362,40 @@ def test_kernel_profile_times_every_compiled_kernel_beside_torchs() -> None:
     assert any(line.endswith("aten::native_batch_norm") for line in lines), proc.stdout
     assert any(line.endswith("aten::native_batch_norm_backward") for line in lines), proc.stdout
     assert re.search(r"^compiled kernels [\d.]+ µs, torch's [\d.]+ µs, ratio [\d.]+$", lines[-1]), proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_profile_on_cuda_sums_each_variants_device_kernels() -> None:
+    """device=cuda: each variant's CUDA kernels and their total; the compiled layer's are Triton's."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.bench.kernel_profile", "device=cuda", "shape=[8,16,7,5]", "steps=2",
+         "warmup=1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    totals = re.findall(r"^(.+): ([\d.]+) device µs per forward\+backward$", proc.stdout, re.MULTILINE)
+    assert [name for name, _ in totals] == list(CUDA_VARIANTS), proc.stdout
+    assert all(float(micros) > 0 for _, micros in totals), proc.stdout
+    compiled = proc.stdout.split("\n" + CUDA_VARIANTS[1] + ":")[0]
+    assert " triton_" in compiled, proc.stdout
+
+
+def test_host_profile_reports_each_regions_call_path_and_the_python_profile() -> None:
+    """launch.bench.host_profile: after warm-up both regions of a layer over a process group run inductor's graph
+    directly (syncbn_dist.direct_call), and cProfile's table follows."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.bench.host_profile", "shape=[4,3,4,4]", "steps=3", "warmup=2", "top=5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    paths = re.findall(r"^(_\w+_region) +(direct|torch\.compile) ", proc.stdout, re.MULTILINE)
+    assert sorted(paths) == [("_backward_region", "direct"), ("_forward_region", "direct")], proc.stdout
+    assert re.search(r"^median [\d.]+ µs per forward\+backward", proc.stdout, re.MULTILINE), proc.stdout
+    assert "Ordered by: internal time" in proc.stdout, proc.stdout
