@@ -20,10 +20,16 @@ status=0
 "$PY" -m launch.bench.run --config configs/bench.yaml 'scenarios=[]' device=cuda readme=null plot=false \
     output_dir="$OUT_DIR" 'micro.shapes=[[32,64,28,28],[8,256,14,14],[256,512],[64,256,56,56]]' "$@" 2>&1 \
     | tee "$OUT_DIR/bench.log" || status=1
-# The other files' gpu tests on the native kernels (the suite's default), then on the compiled ones.
+# The kernels' device time beside torch's, at a layer in L2 and one larger than it.
+for args in "" "shape=[64,256,56,56] memory_format=channels_last"; do
+    # shellcheck disable=SC2086  # $args: zero or more KEY=VALUE words
+    "$PY" -m launch.bench.kernel_profile device=cuda $args 2>&1 | tee -a "$OUT_DIR/kernel_profile.log" || status=1
+done
+# The other files' gpu tests on the native kernels (the suite's default), then on the compiled ones (one log: a
+# device run brings back at most 8 files).
 for kernels in native compiled; do
-    SYNCBN_DIST_KERNELS=$kernels "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_features.py \
-        tests/test_classic_api.py tests/test_replicate.py tests/test_bench.py 2>&1 | tee "$OUT_DIR/pytest_$kernels.log" \
-        || status=1
+    SYNCBN_DIST_KERNELS=$kernels "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_batchnorm.py \
+        tests/test_features.py tests/test_classic_api.py tests/test_replicate.py tests/test_bench.py 2>&1 \
+        | tee -a "$OUT_DIR/pytest_other.log" || status=1
 done
 exit $status

@@ -4,12 +4,18 @@
     .venv/bin/python -m launch.bench.kernel_profile shape=[256,512] dtype=bfloat16
     GLIBC_TUNABLES=glibc.malloc.trim_threshold=268435456:glibc.malloc.mmap_threshold=33554432 \\
         .venv/bin/python -m launch.bench.kernel_profile memory_format=channels_last        # as make bench's micro runs
+    python3 -m launch.bench.kernel_profile device=cuda                       # a GPU box: Triton and CUDA kernels
 
 It compiles the layer's two regions afresh with inductor's kernel profiling on (``cpp.enable_kernel_profile``: each
 generated C++ kernel records a profiler event), runs the microbenchmark's ``syncbn_dist compiled`` and ``F.batch_norm``
 variants alternately in a one-member gloo group on one thread, and prints the mean µs per step of every inductor
 kernel and of ``native_batch_norm`` and its backward, then the four kernels' total against torch's two. This is
 what tells the kernels' share of K1 from the per-call cost around them (docs/design.md, "Where K1's time goes").
+
+With ``device=cuda`` (a one-member NCCL group) it profiles the GPU instead: for ``syncbn_dist compiled``,
+``syncbn_dist`` (the native kernels), ``F.batch_norm`` and torch's SyncBatchNorm function, each alone, the mean
+device µs per step of every CUDA kernel (Triton's and torch's) and their total, which is the layer's cost once the
+host keeps ahead of the GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from launch.bench.micro import COMPILED, _Case
 from launch.common.config import ConfigError, config_error_exit, one_of, parse_config, positive, ruled
 
 _TORCH_KERNELS = ("aten::native_batch_norm", "aten::native_batch_norm_backward")
+# The microbenchmark's variants whose CUDA kernels device=cuda profiles.
+CUDA_VARIANTS = (COMPILED, "syncbn_dist", "F.batch_norm", "torch SyncBatchNorm fn")
 
 
 @dataclass
@@ -36,6 +44,7 @@ class KernelProfileConfig:
     )
     dtype: str = one_of("float32", *DTYPES)
     memory_format: str = one_of("contiguous", *MEMORY_FORMATS)
+    device: str = one_of("cpu", "cpu", "cuda")
     steps: int = positive(50)
     warmup: int = positive(10)
 
@@ -66,6 +75,28 @@ def kernel_times(cfg: KernelProfileConfig) -> dict[str, float]:
     }
 
 
+def device_kernel_times(cfg: KernelProfileConfig) -> dict[str, dict[str, float]]:
+    """Per variant, the mean device µs per step of every CUDA kernel it launches (the variant profiled alone)."""
+    case = _Case(cfg.shape, getattr(torch, cfg.dtype), cfg.memory_format == "channels_last", torch.device("cuda"))
+    variants = case.variants()
+    found = {}
+    for name in CUDA_VARIANTS:
+        step = variants[name]
+        for _ in range(cfg.warmup):
+            case.run(step)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(cfg.steps):
+                case.run(step)
+            torch.cuda.synchronize()
+        found[name] = {
+            event.key: round(event.self_device_time_total / cfg.steps, 2)
+            for event in prof.key_averages()
+            if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0
+        }
+    return found
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = parse_config(KernelProfileConfig, argv, __doc__.splitlines()[0])
@@ -73,6 +104,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return config_error_exit(error)
     if cfg.memory_format == "channels_last" and len(cfg.shape) != 4:
         return config_error_exit(ConfigError("memory_format=channels_last needs a 4D shape"))
+    if cfg.device == "cuda":
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            per_variant = device_kernel_times(cfg)
+        finally:
+            dist.destroy_process_group()
+        for name, times in per_variant.items():
+            print(f"{name}: {sum(times.values()):.2f} device µs per forward+backward")
+            for kernel, micros in sorted(times.items(), key=lambda item: -item[1]):
+                print(f"  {micros:9.2f} µs  {kernel[:110]}")
+        return 0
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         times = kernel_times(cfg)
