@@ -65,8 +65,8 @@ def set_kernels(mode: str) -> None:
     statistics); ``"compiled"`` uses this module's kernels, compiled by ``torch.compile`` with inductor on first use
     (dynamic shapes: one graph per direction for each dtype and memory format, shared by every layer, rank and batch
     size); ``"auto"`` uses the compiled kernels for CPU tensors where inductor finds a C++ compiler (else native,
-    with one warning naming why) and the native ones for CUDA tensors, where they measured faster (a GPU layer is
-    bound by per-call host work; docs/performance_cuda.md). Overrides
+    with one warning naming why) and the native ones for CUDA tensors, which compile nothing and measured about as
+    fast there (a GPU layer is bound by per-call host work; docs/performance_cuda.md). Overrides
     ``SYNCBN_DIST_KERNELS``. Under a user's ``torch.compile``, in forward-mode AD, in
     ``backward(create_graph=True)``, under a ``TorchDispatchMode`` and for shards of at most one value per channel
     the native ops run whatever the mode. Both kernel sets give the global-batch result and send the same
@@ -110,8 +110,8 @@ def use_compiled(input: Tensor) -> bool:
     if is_compiling() or input.size(1) == 0 or _values_per_channel(input) < 2 or _dispatch_mode_active():
         return False
     mode = get_kernels()
-    # "auto" compiles for CPU tensors only: on CUDA the native kernels measured faster (a GPU layer is bound by
-    # per-call host work there, which the compiled regions' wrappers add to; docs/performance_cuda.md).
+    # "auto" compiles for CPU tensors only: on CUDA a layer is bound by per-call host work, where the two sets
+    # measured about even, and the native kernels compile nothing (docs/performance_cuda.md; docs/design.md, "CUDA").
     if mode == "native" or (mode == "auto" and input.device.type != "cpu"):
         return False
     missing = _missing_compiler(input.device.type)

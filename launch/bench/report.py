@@ -326,10 +326,10 @@ def markdown(summary: dict[str, Any]) -> str:
                 "",
                 "On CUDA the compiled kernels are the same source, compiled to Triton. `make bench-gpu` on a CUDA "
                 "machine runs the gpu tests on both kernel sets and this benchmark with `device=cuda`, beside "
-                "torch.nn.SyncBatchNorm's CUDA kernels; docs/performance_cuda.md is the last such run. The next "
-                "one must confirm that the Triton kernels count 8 activation accesses (K3 and tests/test_gpu.py: the "
-                "stored shift is not yet run there) and measure whether K1 and the per-call cost still favour the "
-                "native kernels on CUDA (`\"auto\"`'s choice).",
+                "torch.nn.SyncBatchNorm's CUDA kernels; docs/performance_cuda.md is the last such run. There the "
+                "Triton kernels count exactly 8 activation accesses in every case (K3), and every variant's time is "
+                "host work per call; `python -m launch.bench.kernel_profile device=cuda` gives the kernels' device "
+                "time beside torch's (docs/design.md, \"CUDA\").",
             ]
         cost = micro.get("compile_cost")
         if cost:
