@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks only a GPU can run (README, "GPU status"): the gpu-marked tests on both kernel sets, then the
-# one-layer microbenchmark on CUDA beside torch.nn.SyncBatchNorm's kernels, with K3 and the compile cost on Triton.
+# one-layer microbenchmark on CUDA beside torch.nn.SyncBatchNorm's kernels, with K3 and the compile cost on Triton,
+# then each variant's kernels' device time (launch.bench.kernel_profile device=cuda). Writes 7 files into OUT_DIR.
 #
 #   make bench-gpu GPU_PY=python3                   # writes outputs/bench_gpu/ (docs/performance_cuda.md: a copy)
 #   bash launch/bench/gpu.sh python3 /tmp/out       # a GPU machine whose python3 has torch (and omegaconf, tqdm)
