@@ -86,8 +86,7 @@ bench: install
 	$(PY) -m launch.bench.run --config configs/bench.yaml $(ARGS)
 
 # On a CUDA machine: the gpu-marked tests on both kernel sets, the one-layer benchmark on the GPU and the kernels'
-# device time
-# (launch/bench/gpu.sh). GPU_PY: a python whose torch has CUDA (the .venv's is the CPU build).
+# device time (launch/bench/gpu.sh). GPU_PY: a python whose torch has CUDA (the .venv's is the CPU build).
 GPU_PY ?= $(PY)
 GPU_OUT ?= outputs/bench_gpu
 bench-gpu:
