@@ -24,22 +24,16 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from launch.bench.config import DTYPES, MEMORY_FORMATS
+from launch.bench.kernel_profile import KernelProfileConfig
 from launch.bench.micro import COMPILED, _Case, _Replay
-from launch.common.config import ConfigError, config_error_exit, one_of, parse_config, positive, ruled
+from launch.common.config import ConfigError, config_error_exit, parse_config, positive
 from syncbn_dist import kernels
 
 
 @dataclass
-class HostProfileConfig:
-    shape: list[int] = ruled(
-        [32, 64, 28, 28], "listing a shape (N, C, *) of >= 2 sizes, each > 0", lambda v: len(v) >= 2 and min(v) > 0
-    )
-    dtype: str = one_of("float32", *DTYPES)
-    memory_format: str = one_of("contiguous", *MEMORY_FORMATS)
-    device: str = one_of("cpu", "cpu", "cuda")
-    steps: int = positive(200)
-    warmup: int = positive(10)
+class HostProfileConfig(KernelProfileConfig):
+    """kernel_profile's shape, dtype, memory_format, device, steps and warmup; how many functions to list."""
+
     top: int = positive(25)
 
 
