@@ -673,3 +673,49 @@ def test_two_nodes_on_loopback_equal_a_single_node_run(tmp_path: Path, jobs: Any
         # Same seed, shards and two-term sums (commutative in IEEE arithmetic): bit-identical.
         torch.testing.assert_close(got_state[name], want_state[name], rtol=0, atol=0, msg=name)
     assert [r["loss"] for r in got["epochs"]] == [r["loss"] for r in want["epochs"]]
+
+
+_REPORT_UNDER_SIGTERM = """
+import os, signal, sys
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+from launch.digits.stop import deaf_once_failed
+
+write = ErrorHandler.record_exception
+
+def sigterm_then_write(self, e):
+    os.kill(os.getpid(), signal.SIGTERM)  # torchrun's agent, closing the job as this worker reports its failure
+    write(self, e)
+
+ErrorHandler.record_exception = sigterm_then_write
+
+def main():
+    raise RuntimeError("gloo: connection closed by peer")
+
+sys.exit(record(deaf_once_failed(main) if sys.argv[1] == "deaf" else main)())
+"""
+
+
+@pytest.mark.parametrize("wrapped", [True, False])
+def test_a_failed_worker_writes_its_failure_report_whole_under_the_agents_sigterm(
+    tmp_path: Path, wrapped: bool
+) -> None:
+    """deaf_once_failed: a worker SIGTERMed while ``record`` writes its error file still writes all of it (the
+    agent parses it: a truncated one crashed torchrun with a JSONDecodeError instead of a restart). Unwrapped, the
+    same worker dies on the signal without a report: the case the wrapper exists for."""
+    error_file = tmp_path / "error.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", _REPORT_UNDER_SIGTERM, "deaf" if wrapped else "plain"],
+        cwd=ROOT,
+        env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file), "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if wrapped:
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        report = json.loads(error_file.read_text())
+        assert report["message"]["message"] == "RuntimeError: gloo: connection closed by peer"
+    else:
+        assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
+        assert not error_file.exists() or error_file.read_text() == ""

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from launch.digits.runtime import Runtime
+
+T = TypeVar("T")
 
 
 class StopRequest:
@@ -50,3 +53,25 @@ class StopRequest:
         flag = torch.tensor([self.signum], dtype=torch.int64, device=runtime.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
+
+
+def deaf_once_failed(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn``, with SIGTERM and SIGINT ignored from the moment it raises, for the failure report to be written whole.
+
+    Wrap a worker's entry point inside torchrun's ``record``. When one worker dies, torchrun's agent SIGTERMs the
+    others and then parses each one's report (the error file ``record`` writes). A worker whose collective just
+    failed with its dead peer is often writing that file at that moment: killed there, it leaves a truncated file,
+    and the agent dies on a ``JSONDecodeError`` instead of restarting the job. A worker that raised is on its way
+    out anyway; torchrun SIGKILLs it 30 s after the SIGTERM if it hangs. Main thread only (``signal.signal``).
+    """
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            for signum in StopRequest.SIGNALS:
+                signal.signal(signum, signal.SIG_IGN)
+            raise
+
+    return wrapped

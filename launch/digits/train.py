@@ -70,7 +70,7 @@ from launch.digits.loop import EpochProgress, check_same_on_all_ranks, epoch_mea
 from launch.digits.model import bn_transports, build_model
 from launch.digits.optim import build_optimizer, cosine_schedule
 from launch.digits.runtime import Runtime, init_distributed, launch_id
-from launch.digits.stop import StopRequest
+from launch.digits.stop import StopRequest, deaf_once_failed
 
 log = logging.getLogger("train")
 
@@ -237,5 +237,6 @@ def main(cfg: DigitsConfig | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # record: under torchrun, an uncaught exception (with its traceback) goes into torchrun's failure report.
-    sys.exit(record(main)())
+    # record: under torchrun, an uncaught exception (with its traceback) goes into torchrun's failure report, which
+    # deaf_once_failed keeps whole when the agent SIGTERMs this worker as it writes it.
+    sys.exit(record(deaf_once_failed(main))())
