@@ -346,16 +346,15 @@ def test_device_override_reaches_every_scenario_and_the_microbenchmark(tmp_path:
         load_bench(config, ["scenario.bucket_cap_mb=0.5"])
 
 
+def _run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m module args...`` from the repository root, its output captured."""
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
 def test_kernel_profile_times_every_compiled_kernel_beside_torchs() -> None:
     """launch.bench.kernel_profile compiles the layer with inductor's kernel profiling and reports each generated
     kernel (statistics, normalize, backward reductions, grad_input: four over a process group) and torch's two."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "launch.bench.kernel_profile", "shape=[4,3,4,4]", "steps=2", "warmup=1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _run_module("launch.bench.kernel_profile", "shape=[4,3,4,4]", "steps=2", "warmup=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert sum(" graph_" in line for line in lines) == 4, proc.stdout
@@ -368,14 +367,7 @@ def test_kernel_profile_times_every_compiled_kernel_beside_torchs() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_profile_on_cuda_sums_each_variants_device_kernels() -> None:
     """device=cuda: each variant's CUDA kernels and their total; the compiled layer's are Triton's."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "launch.bench.kernel_profile", "device=cuda", "shape=[8,16,7,5]", "steps=2",
-         "warmup=1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _run_module("launch.bench.kernel_profile", "device=cuda", "shape=[8,16,7,5]", "steps=2", "warmup=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     totals = re.findall(r"^(.+): ([\d.]+) device µs per forward\+backward$", proc.stdout, re.MULTILINE)
     assert [name for name, _ in totals] == list(CUDA_VARIANTS), proc.stdout
@@ -387,13 +379,7 @@ def test_kernel_profile_on_cuda_sums_each_variants_device_kernels() -> None:
 def test_host_profile_reports_each_regions_call_path_and_the_python_profile() -> None:
     """launch.bench.host_profile: after warm-up both regions of a layer over a process group run inductor's graph
     directly (syncbn_dist.direct_call), and cProfile's table follows."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "launch.bench.host_profile", "shape=[4,3,4,4]", "steps=3", "warmup=2", "top=5"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _run_module("launch.bench.host_profile", "shape=[4,3,4,4]", "steps=3", "warmup=2", "top=5")
     assert proc.returncode == 0, proc.stderr[-3000:]
     paths = re.findall(r"^(_\w+_region) +(direct|torch\.compile) ", proc.stdout, re.MULTILINE)
     assert sorted(paths) == [("_backward_region", "direct"), ("_forward_region", "direct")], proc.stdout

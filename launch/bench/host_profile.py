@@ -24,9 +24,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from launch.bench.kernel_profile import KernelProfileConfig
+from launch.bench.kernel_profile import KernelProfileConfig, parse_profile_config
 from launch.bench.micro import COMPILED, _Case, _Replay
-from launch.common.config import ConfigError, config_error_exit, parse_config, positive
+from launch.common.config import ConfigError, config_error_exit, positive
 from syncbn_dist import kernels
 
 
@@ -50,11 +50,9 @@ def region_paths() -> list[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
-        cfg = parse_config(HostProfileConfig, argv, __doc__.splitlines()[0])
+        cfg = parse_profile_config(HostProfileConfig, argv, __doc__.splitlines()[0])
     except ConfigError as error:
         return config_error_exit(error)
-    if cfg.memory_format == "channels_last" and len(cfg.shape) != 4:
-        return config_error_exit(ConfigError("memory_format=channels_last needs a 4D shape"))
     device = torch.device(cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,9 @@ class KernelProfileConfig:
     device: str = one_of("cpu", "cpu", "cuda")
     steps: int = positive(50)
     warmup: int = positive(10)
+
+
+P = TypeVar("P", bound=KernelProfileConfig)
 
 
 def kernel_times(cfg: KernelProfileConfig) -> dict[str, float]:
@@ -97,13 +100,20 @@ def device_kernel_times(cfg: KernelProfileConfig) -> dict[str, dict[str, float]]
     return found
 
 
+def parse_profile_config(schema: type[P], argv: Optional[Sequence[str]], description: str) -> P:
+    """``schema`` (this config or one extending it) from ``argv``; raises ConfigError, also for channels_last with a
+    shape that is not 4D."""
+    cfg = parse_config(schema, argv, description)
+    if cfg.memory_format == "channels_last" and len(cfg.shape) != 4:
+        raise ConfigError("memory_format=channels_last needs a 4D shape")
+    return cfg
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
-        cfg = parse_config(KernelProfileConfig, argv, __doc__.splitlines()[0])
+        cfg = parse_profile_config(KernelProfileConfig, argv, __doc__.splitlines()[0])
     except ConfigError as error:
         return config_error_exit(error)
-    if cfg.memory_format == "channels_last" and len(cfg.shape) != 4:
-        return config_error_exit(ConfigError("memory_format=channels_last needs a 4D shape"))
     if cfg.device == "cuda":
         torch.cuda.set_device(0)
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
