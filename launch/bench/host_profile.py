@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from launch.bench.kernel_profile import KernelProfileConfig, parse_profile_config
+from launch.bench.kernel_profile import KernelProfileConfig, one_member_group, parse_profile_config
 from launch.bench.micro import COMPILED, _Case, _Replay
 from launch.common.config import ConfigError, config_error_exit, positive
 from syncbn_dist import kernels
@@ -54,12 +53,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as error:
         return config_error_exit(error)
     device = torch.device(cfg.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
     torch.set_num_threads(1)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_member_group(cfg.device):
         case = _Case(cfg.shape, getattr(torch, cfg.dtype), cfg.memory_format == "channels_last", device)
         step = case.variants()[COMPILED]
         for _ in range(cfg.warmup):
@@ -79,8 +74,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(cfg.top)
         print(text.getvalue())
-    finally:
-        dist.destroy_process_group()
     return 0
 
 

@@ -20,9 +20,10 @@ host keeps ahead of the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
-from typing import Optional, Sequence, TypeVar
+from typing import Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -109,28 +110,33 @@ def parse_profile_config(schema: type[P], argv: Optional[Sequence[str]], descrip
     return cfg
 
 
+@contextlib.contextmanager
+def one_member_group(device: str) -> Iterator[None]:
+    """The default process group of this process alone: NCCL on GPU 0 for ``"cuda"``, else gloo; destroyed after."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = parse_profile_config(KernelProfileConfig, argv, __doc__.splitlines()[0])
     except ConfigError as error:
         return config_error_exit(error)
     if cfg.device == "cuda":
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-        try:
+        with one_member_group(cfg.device):
             per_variant = device_kernel_times(cfg)
-        finally:
-            dist.destroy_process_group()
         for name, times in per_variant.items():
             print(f"{name}: {sum(times.values()):.2f} device µs per forward+backward")
             for kernel, micros in sorted(times.items(), key=lambda item: -item[1]):
                 print(f"  {micros:9.2f} µs  {kernel[:110]}")
         return 0
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_member_group(cfg.device):
         times = kernel_times(cfg)
-    finally:
-        dist.destroy_process_group()
     for name, micros in sorted(times.items(), key=lambda item: -item[1]):
         print(f"{micros:10.1f} µs  {name}")
     ours = sum(micros for name, micros in times.items() if name.startswith("graph_"))
