@@ -1,7 +1,8 @@
 """The benchmark's networks, the naive reference SyncBN, the floor variant, and the model of every variant.
 
-Networks: :class:`BenchNet` (conv3x3 -> BN -> ReLU layers at constant width) and :class:`ResNetBench`
-(ResNet-18 topology at reduced width for 32x32 inputs).
+Networks: :class:`BenchNet` (conv3x3 -> BN -> ReLU layers at constant width), :class:`ResNetBench`
+(ResNet-18 topology at reduced width for 32x32 inputs) and :class:`ResNet50` (torchvision's ResNet-50 topology,
+53 BatchNorm2d layers, at any width and input size).
 
 Variants (the keys used throughout the benchmark's JSON):
 
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 from torch.autograd import Function
 
 import syncbn_dist
-from launch.bench.resnet_blocks import BasicBlock
+from launch.bench.resnet_blocks import BasicBlock, Bottleneck
 
 EAGER_VARIANTS = ("bn", "syncbn_dist", "syncbn_dist_dedicated", "floor", "naive", "torch_syncbn")
 COMPILED_SUFFIX = "_compiled"
@@ -89,6 +90,35 @@ class ResNetBench(nn.Module):
             out_channels = width * 2**stage
             blocks += [BasicBlock(channels, out_channels, stride), BasicBlock(out_channels, out_channels, 1)]
             channels = out_channels
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(channels, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+class ResNet50(nn.Module):
+    """torchvision's ``resnet50`` topology (He et al. 2016, arXiv:1512.03385): a 7x7 stride-2 stem with BatchNorm
+    and max-pool, stages of 3, 4, 6 and 3 Bottlenecks of ``width``, 2, 4 and 8 x ``width`` planes (4x that out) at
+    strides 1, 2, 2, 2, a BatchNorm in each stage's projection shortcut: 53 BatchNorm2d layers. ``width=64`` is
+    torchvision's model (25.6 M parameters); smaller widths keep the layer count and shapes' structure for the CPU.
+
+    Input: (N, in_channels, H, W), 224x224 for ImageNet (any size of at least 32). Output: (N, num_classes).
+    """
+
+    def __init__(self, in_channels: int = 3, width: int = 64, num_classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(True),
+            nn.MaxPool2d(3, 2, 1),
+        )
+        blocks: list[nn.Module] = []
+        channels = width
+        for stage, (depth, stride) in enumerate(zip((3, 4, 6, 3), (1, 2, 2, 2))):
+            planes = width * 2**stage
+            for index in range(depth):
+                blocks.append(Bottleneck(channels, planes, stride if index == 0 else 1))
+                channels = planes * Bottleneck.expansion
         self.blocks = nn.Sequential(*blocks)
         self.head = nn.Linear(channels, num_classes)
 
