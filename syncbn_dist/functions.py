@@ -321,6 +321,10 @@ def _checked_count(total: Tensor, input: Tensor) -> None:
     ``torch.compile`` the check is an in-graph assertion (``torch._assert_async``), which raises RuntimeError
     with the same message instead of ValueError: the count cannot be read on the host inside a graph.
 
+    Args:
+        total: the summed payload, or the (1,) global count (its last value is the count).
+        input: this member's (N, C, *) shard.
+
     Raises:
         ValueError: if the global count per channel is 1 (raised on every member, which all see that count).
     """
@@ -375,8 +379,12 @@ class _SyncBatchNormFunction(Function):
         transport: Any,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         group_name = _compiled_group_name(input, transport)
-        if group_name is not _NATIVE:  # payload, all_reduce and normalize in one compiled region
-            return kernels.layer_forward(input, weight, bias, eps, eps_mode == "clip", group_name)
+        if group_name is not _NATIVE:  # payload, all_reduce and normalize: one compiled region, or the user's graph
+            output, mean, unbiased_var, var, count = kernels.layer_forward(
+                input, weight, bias, eps, eps_mode == "clip", group_name
+            )
+            _checked_count(count, input)
+            return output, mean, unbiased_var, var, count
         total = transport.sum_(local_payload(input))
         _checked_count(total, input)
         stats, count = global_statistics(total)
@@ -430,9 +438,13 @@ _NATIVE = object()
 
 def _compiled_group_name(input: Tensor, transport: Any) -> Any:
     """The process group name the compiled regions reduce over (None for a group of one), or ``_NATIVE`` where the
-    native ops run: the kernel switch says so, or the transport has no group the compiled region can name."""
+    native ops run: the transport has no group the regions can name, or, in eager mode, the kernel switch says so.
+
+    Under a user's ``torch.compile`` the regions' source is what the graph holds, on every device (the
+    decomposable math of :mod:`syncbn_dist.kernels`, no aten batch-norm op), whatever the switch says.
+    """
     group_name = getattr(transport, "group_name", _NATIVE)
-    if group_name is _NATIVE or not _takes_compiled_kernels(input):
+    if group_name is _NATIVE or not (is_compiling() or _takes_compiled_kernels(input)):
         return _NATIVE
     return group_name
 

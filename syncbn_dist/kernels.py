@@ -46,6 +46,7 @@ from torch.fx.experimental import _config as fx_config
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .comm.distributed import all_reduce_sum
 from .direct_call import DirectCall, GraphCallRecorder, recording_backend
 from .tracing import is_compiling
 
@@ -166,7 +167,8 @@ def _channel_shape(x: Tensor) -> list[int]:
 
 
 def _sum_per_channel(t: Tensor) -> Tensor:
-    """Sum a (N, C, L) tensor over N and L into (C,) float64, in the order that suits its layout and dtype.
+    """Sum a (N, C, *) tensor over every dimension but C into (C,) float64, in the order that suits its layout and
+    dtype; it is viewed as (N, C, L) (a view for contiguous and channels-last tensors).
 
     float64 ``t``, contiguous: one stage, the inner loop over L. float64 ``t``, channels innermost (channels_last
     flattened): first over L, then over N, because inductor's CPU kernel walks a reduced dimension once per block of
@@ -179,6 +181,8 @@ def _sum_per_channel(t: Tensor) -> Tensor:
     (8, 256, 196) bfloat16); the row sums keep about 1e-6 relative at L = 2**20 (measured), far below the input's
     own rounding (2**-8 for bfloat16, 2**-11 for float16).
     """
+    if t.dim() != 3:
+        t = t.unsqueeze(2) if t.dim() == 2 else t.flatten(2)
     if t.dtype != _F64:
         return t.sum(2).to(_F64).sum(0)
     if t.stride(1) == 1 and t.size(2) > 1:
@@ -199,9 +203,10 @@ def _term_dtype(x: Tensor) -> torch.dtype:
     return _F64 if stat == x.dtype else stat
 
 
-# The one source. Each function is plain torch ops on (N, C, *) tensors with N * prod(*) >= 2; the per-channel
-# coefficients the elementwise passes use are returned too, so that inductor stores them once per channel rather
-# than recomputing them (rsqrt in float64) at every element.
+# The one source. Each function is plain torch ops on (N, C, *) tensors: the eager kernels call them on (N, C, L)
+# views with N * L >= 2, and a user's torch.compile traces them on the layer's own tensors, an empty shard included.
+# The per-channel coefficients the elementwise passes use are returned too, so that inductor stores them once per
+# channel rather than recomputing them (rsqrt in float64) at every element.
 
 
 def shard_payload(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -216,15 +221,27 @@ def shard_payload(x: Tensor) -> tuple[Tensor, Tensor]:
     kernel that finishes a two-stage sum (channels-innermost input, :func:`_sum_per_channel`) reloads it from ``x``,
     and inductor's byte count charges that load of C values as a whole pass over ``x`` (4 B per float32 element).
     """
-    count = x.numel() // x.size(1)
+    count = _values_per_channel(x)
     terms = _term_dtype(x)
-    shift = x[(0, slice(None)) + (0,) * (x.dim() - 2)].to(terms)
+    if count == 0:  # an empty shard (only under a user's torch.compile): its sums, zeros made from x, not constants
+        shift = x.new_zeros(x.size(1), dtype=terms)
+    else:
+        shift = _first_value_per_channel(x).to(terms)
     centred = x.to(terms) - shift.view(_channel_shape(x))
     sums, squares = _sum_per_channel(centred), _sum_per_channel(centred.square())
     shift_64 = shift.to(_F64)
     absolute_sums = sums + count * shift_64
     absolute_squares = squares + shift_64 * (2.0 * sums + count * shift_64)
     return torch.cat([absolute_sums, absolute_squares, sums.new_full((1,), count)]), shift
+
+
+def _first_value_per_channel(x: Tensor) -> Tensor:
+    """``x[0, :, 0, ..., 0]`` of an (N, C, *) tensor, as (C,), by ``select`` (which fake tensors on a device this build
+    of torch lacks can trace, unlike integer indexing: tests trace the layer for CUDA inputs on CPU-only machines)."""
+    first = x.select(0, 0)
+    for _ in range(x.dim() - 2):
+        first = first.select(1, 0)
+    return first
 
 
 def normalize(
@@ -319,19 +336,6 @@ def payload_grad(
     return grad.to(grad_alias.dtype), a, b
 
 
-def _all_reduce(tensor: Tensor, group_name: Optional[str]) -> Tensor:
-    """The sum over the process group named ``group_name`` inside a compiled region (None: a group of one).
-
-    torch's functional collective, a C++ op that inductor schedules: a region holds one collective, on a payload
-    computed from its input, so there is nothing to merge, hoist or reorder (which is why a user's compiled graph,
-    holding many, takes :func:`syncbn_dist.comm.distributed.ordered_all_reduce` instead).
-    """
-    if group_name is None:
-        return tensor
-    functional = torch.ops._c10d_functional
-    return functional.wait_tensor(functional.all_reduce(tensor, "sum", group_name))
-
-
 def forward_region(
     x: Tensor, weight: Tensor, bias: Tensor, eps: float, clip: bool, group_name: Optional[str]
 ) -> tuple[Tensor, ...]:
@@ -339,7 +343,7 @@ def forward_region(
     :func:`normalize` returns, then :func:`shard_payload`'s shift (the caller drops ``scale`` and the shift, returned
     so that they are stored, not recomputed)."""
     payload, shift = shard_payload(x)
-    return (*normalize(x, _all_reduce(payload, group_name), weight, bias, eps, clip), shift)
+    return (*normalize(x, all_reduce_sum(payload, group_name), weight, bias, eps, clip), shift)
 
 
 def backward_region(
@@ -353,7 +357,7 @@ def backward_region(
     local = grad_reductions(dy, x, mean, var, ones, eps)
     sum_dy, sum_dy_xhat = local.chunk(2)
     # The collective runs whether or not grad_input is needed: every member sends the same collectives.
-    total = _all_reduce(local, group_name)
+    total = all_reduce_sum(local, group_name)
     if not need_input:
         return None, sum_dy_xhat, sum_dy
     dx, *coefficients = grad_input(dy, x, weight, mean, var, count, total, eps, clip)
@@ -527,7 +531,12 @@ def layer_forward(
     Returns ``(output, mean, unbiased_var, var, count)`` as ``syncbn_dist.functions._SyncBatchNormFunction``'s
     forward does: the output in the input's shape, dtype and memory format; the statistics in the statistics dtype
     (``var`` the normalizing variance); the (1,) float64 global count.
+
+    Under a user's ``torch.compile`` the region's source is traced into the user's graph instead, on the input
+    itself, so that inductor fuses it with the layers around it as it fuses plain BatchNorm.
     """
+    if is_compiling():
+        return forward_region(input, weight, bias, eps, clip, group_name)[:5]
     x = _as_3d(input)
     y, mean, unbiased_var, var, count, *_ = _forward_region(
         x, _affine(weight, x, 1.0), _affine(bias, x, 0.0), eps, clip, group_name
@@ -541,8 +550,13 @@ def layer_backward(
 ) -> tuple[Optional[Tensor], Tensor, Tensor]:
     """The backward of :func:`layer_forward` in one compiled region; ``grad_output`` in the input's memory format.
 
-    Returns ``(grad_input or None, sum(dy * x_hat), sum(dy))``, the last two (C,) float64 local sums.
+    Returns ``(grad_input or None, sum(dy * x_hat), sum(dy))``, the last two (C,) float64 local sums. Under a
+    user's ``torch.compile``, the region's source traced into the user's graph (see :func:`layer_forward`).
     """
+    if is_compiling():
+        return backward_region(
+            grad_output, input, weight, mean, var, count, channel_ones(input), eps, clip, group_name, need_input
+        )[:3]
     x = _as_3d(input)
     dx, sum_dy_xhat, sum_dy, *_ = _backward_region(
         _as_3d(grad_output), x, _affine(weight, x, 1.0), mean, var, count, channel_ones(x), eps, clip, group_name,

@@ -135,6 +135,12 @@ def _check_equal(results: Sequence[dict], variants: Sequence[str], backend: str)
                         tol = {"rtol": 1e-4, "atol": 1e-4}
                     if variant == "bfloat16":
                         tol = {"rtol": 1e-2, "atol": 1e-2}
+                        if key.startswith("grad "):
+                            # Eager (the native kernels) and the compiled graph (syncbn_dist.kernels' source) each
+                            # round grad_input to bfloat16 within an ulp of the float64 value, but not alike; a conv
+                            # weight gradient sums up to 225 products of those (measured: 0.047 apart where the
+                            # gradient's largest values are about 10, 2^-8 * 10 = 0.04 being one bfloat16 ulp there).
+                            tol = {"rtol": 1e-2, "atol": 8e-2}
                     torch.testing.assert_close(c[key], e[key], **tol, msg=lambda m, w=what: f"{w}: {m}")
 
 

@@ -216,7 +216,7 @@ def _worker_lean(rank: int, world_size: int) -> dict[str, object]:
         budgets[f"{shape}{' channels_last' if channels_last else ''}"] = (
             counter.total,
             op_budget,
-            counter.counts["c10d.allreduce_"],
+            sum(counter.collectives.values()),
             counter.histogram(),
             traffic.total,
             per_element * numel + per_channel * channels,

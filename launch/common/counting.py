@@ -3,7 +3,8 @@
 :class:`OpCounter` counts the ops a piece of code dispatches (views and collectives included): the host cost of
 a layer, and the collectives it sends. On a GPU every dispatched op is a kernel launch or a host-side bookkeeping
 step, so the count is the deterministic stand-in for a timing that CI (no GPU) cannot take. Every eager
-``torch.distributed`` collective, whichever Python function called it, dispatches one ``c10d`` op
+``torch.distributed`` collective, whichever Python function called it, dispatches one ``c10d`` op, or one
+functional op (``_c10d_functional.all_reduce``, syncbn_dist's layers' collective) then its ``wait_tensor``
 (``dist.all_reduce`` -> ``c10d.allreduce_``, ``dist.all_gather`` -> ``c10d.allgather_``, ``dist.broadcast`` ->
 ``c10d.broadcast_``, ``dist.barrier`` -> ``c10d.barrier``), so :attr:`OpCounter.collectives` counts what a rank
 puts on the wire and :attr:`OpCounter.payloads` lists them in order with their sizes. So do the collectives C++
@@ -53,15 +54,18 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = str(func.overloadpacket)
         self.counts[name] += 1
-        if name.startswith("c10d."):
-            tensors = next((a for a in args if isinstance(a, list) and a and isinstance(a[0], torch.Tensor)), [])
+        if _is_collective(name):
+            first = next((a for a in args if isinstance(a, (list, Tensor))), [])
+            tensors = [first] if isinstance(first, Tensor) else [t for t in first if isinstance(t, Tensor)]
             dtype = tensors[0].dtype if tensors else None
             self.payloads.append((name, sum(t.numel() for t in tensors), dtype))
         return func(*args, **(kwargs or {}))
 
     @property
     def collectives(self) -> Counter[str]:
-        """The ``c10d`` ops among the counts, e.g. ``Counter({"c10d.allreduce_": 2, "c10d.allgather_": 1})``."""
+        """The collective ops among the counts, e.g. ``Counter({"c10d.allreduce_": 2, "c10d.allgather_": 1})``;
+        torch's functional collectives count as theirs (``_c10d_functional.all_reduce``), not their
+        ``wait_tensor``."""
         return Counter(name for name, _, _ in self.payloads)
 
     @property
@@ -71,6 +75,12 @@ class OpCounter(TorchDispatchMode):
     def histogram(self) -> str:
         """One ``name: count`` per line, most frequent first."""
         return "\n".join(f"  {name}: {n}" for name, n in self.counts.most_common())
+
+
+def _is_collective(name: str) -> bool:
+    """Whether the op named ``name`` (an overload packet's) sends a collective: a ``c10d`` op, or a functional one
+    (``_c10d_functional.all_reduce`` ...) other than ``wait_tensor``, which only waits for one."""
+    return name.startswith("c10d.") or (name.startswith("_c10d_functional.") and not name.endswith(".wait_tensor"))
 
 
 # Ops that allocate without writing: their (uninitialized) result moves no bytes.

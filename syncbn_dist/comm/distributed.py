@@ -12,14 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Function
-from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ..tracing import is_compiling
 from .agreement import verify_group_agreement
 
 __all__ = [
     "DistributedTransport",
     "all_reduce_mean_",
+    "all_reduce_sum",
     "broadcast_from_first_",
     "distributed_transport",
     "group_needs_sync",
@@ -69,28 +68,30 @@ class _AllReduceCoalesced(Function):
         return (None, *result)
 
 
-@torch.library.custom_op("syncbn_dist::ordered_all_reduce", mutates_args=())
-def ordered_all_reduce(tensor: Tensor, group_name: str) -> Tensor:
-    """The sum of ``tensor`` over the process group named ``group_name``, as a new tensor: the collective that
-    compiled graphs run.
+def all_reduce_sum(tensor: Tensor, group_name: Optional[str]) -> Tensor:
+    """The sum of ``tensor`` over the process group named ``group_name``, as a new tensor (None: a group of one,
+    ``tensor`` itself): torch's functional ``all_reduce`` and ``wait_tensor``, C++ ops in eager mode and in compiled
+    graphs alike, with no Python per call.
 
-    A custom op with an ordered effect rather than a functional collective: the compiler must neither merge two
-    of them (identical constant payloads, e.g. the zeros of two empty shards, would be common subexpressions),
-    nor move one out of its graph (a backward collective whose input does not depend on the gradient, as on an
-    empty shard, would be hoisted into the forward graph), nor reorder them; any of those leaves the ranks
-    running different collectives.
+    Every synchronized layer's collective is this call, eager or compiled, on a float64 payload computed from the
+    layer's input (forward) or ``grad_output`` (backward). That is what keeps the ranks' collectives in step under
+    ``torch.compile``, where functional collectives are pure ops: a payload that depends on the layer's input is
+    never a common subexpression of another layer's (an empty shard's zeros are sums over its empty input, not
+    constants), a backward payload that depends on ``grad_output`` is never hoisted into the forward graph, the
+    partitioner never recomputes a collective, and inductor issues collectives in the order of its input graph
+    (``torch._inductor.comms.decide_global_ordering_of_comms``). docs/compile.md, "How the graph stays whole".
+
+    Args:
+        tensor: any shape and dtype the backend reduces (the layer sends float64 payloads).
+        group_name: ``ProcessGroup.group_name`` of the group, or None.
+
+    Returns:
+        A tensor of ``tensor``'s shape and dtype holding the sum over the group's members.
     """
-    result = tensor.clone()
-    dist.all_reduce(result, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
-    return result
-
-
-@ordered_all_reduce.register_fake
-def _(tensor: Tensor, group_name: str) -> Tensor:
-    return torch.empty_like(tensor)
-
-
-torch.library._register_effectful_op(ordered_all_reduce._opoverload, torch.library.EffectType.ORDERED)
+    if group_name is None:
+        return tensor
+    functional = torch.ops._c10d_functional
+    return functional.wait_tensor(functional.all_reduce(tensor, "sum", group_name))
 
 
 class DistributedTransport:
@@ -109,22 +110,22 @@ class DistributedTransport:
 
     @property
     def group_name(self) -> str:
-        """The group's name, by which compiled graphs reach it (:func:`ordered_all_reduce`)."""
+        """The group's name, by which functional collectives reach it (:func:`all_reduce_sum`)."""
         return (dist.group.WORLD if self.process_group is None else self.process_group).group_name
 
     def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         return list(_AllReduceCoalesced.apply(self.process_group, *tensors))
 
     def sum_(self, tensor: Tensor) -> Tensor:
-        """Sum ``tensor`` over the group with one ``all_reduce`` and return the sum (not differentiable).
+        """Sum ``tensor`` over the group in place with one ``all_reduce`` and return it (not differentiable).
 
-        Eager mode reduces in place (one ``c10d.allreduce_``); under ``torch.compile`` it is
-        :func:`ordered_all_reduce`, which the graph keeps in program order.
-        Called inside the synchronized batch-norm autograd Function, forward and backward.
+        Called by the native kernels inside the synchronized batch-norm autograd Function, forward and backward, in
+        eager mode (graphs hold :func:`all_reduce_sum`). It is the process group's own ``allreduce`` (one
+        ``c10d.allreduce_``), without ``torch.distributed.all_reduce``'s per-call Python checks: the payload is
+        always one dense tensor, reduced with SUM (the default options).
         """
-        if is_compiling():
-            return torch.ops.syncbn_dist.ordered_all_reduce(tensor, self.group_name)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
+        group = dist.group.WORLD if self.process_group is None else self.process_group
+        group.allreduce([tensor]).wait()
         return tensor
 
     def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None:
