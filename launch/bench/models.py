@@ -207,7 +207,12 @@ class NaiveSyncBatchNorm2d(nn.BatchNorm2d):
     through autograd, and normalizes with elementwise autograd ops (``input * scale + shift``), so autograd
     keeps every intermediate and derives the backward. Like detectron2 it assumes equal batch sizes on every
     rank and puts the biased variance into ``running_var``. Kept here only as the benchmark's baseline (c).
+
+    In a one-member group it is plain ``nn.BatchNorm2d``, as detectron2's is, unless ``sync_alone`` is set (an
+    attribute): then it runs its synchronized path there too (launch.bench.resnet50_step forces it so).
     """
+
+    sync_alone = False
 
     def __init__(self, *args: Any, process_group: Optional[Any] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -215,7 +220,7 @@ class NaiveSyncBatchNorm2d(nn.BatchNorm2d):
 
     def forward(self, input: Tensor) -> Tensor:
         world_size = dist.get_world_size(self.process_group) if dist.is_initialized() else 1
-        if not self.training or world_size == 1:
+        if not self.training or (world_size == 1 and not self.sync_alone):
             return super().forward(input)
         num_features = input.size(1)
         mean = input.mean(dim=[0, 2, 3])
