@@ -20,10 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from torch import nn
 
+from launch.bench import resnet50_step
 from launch.bench import run as bench
 from launch.bench.config import README_SECTION, ResolvedBenchConfig, ScenarioConfig, load_bench
 from launch.bench.kernel_profile import CUDA_VARIANTS
+from launch.bench.models import ResNet50
 from launch.bench.report import readme_tables
 from launch.common.config import ConfigError, load_config
 from launch.common.readme import read_section
@@ -385,3 +388,90 @@ def test_host_profile_reports_each_regions_call_path_and_the_python_profile() ->
     assert sorted(paths) == [("_backward_region", "direct"), ("_forward_region", "direct")], proc.stdout
     assert re.search(r"^median [\d.]+ µs per forward\+backward", proc.stdout, re.MULTILINE), proc.stdout
     assert "Ordered by: internal time" in proc.stdout, proc.stdout
+
+
+# The ResNet-50 step at toy size on CPU: the rows, counts and checks launch.bench.resnet50_step reports.
+RESNET50_TOY = [
+    "device=cpu", "width=8", "image_size=32", "batch_size=4", "steps=2", "warmup=2", "rounds=1",
+    # aot_eager: the torch.compile rows trace the graphs inductor would get, without minutes of C++ compilation.
+    "compile_backend=aot_eager", "dtypes=[float32]", "compile_dtypes=[float32]",
+]
+
+
+@pytest.mark.slow
+def test_resnet50_step_on_cpu_reports_every_variant_forced_onto_the_group(tmp_path: Path) -> None:
+    """launch.bench.resnet50_step at toy size (ResNet-50 topology at width 8, 32x32, batch 4, float32): every CPU
+    variant timed and counted, the CUDA-only ones skipped with their reason, and every synchronized variant sending
+    its two collectives per BatchNorm layer per step over a one-member group, where it computes plain BatchNorm.
+
+    Slow: 35 s on 2 cores with a warm inductor cache, 45 s cold, most of it compiling, which the script does as make
+    bench-gpu runs it: torch.compile of the converted model (Dynamo traces the 53 synchronized layers in 10 s, plain's
+    in 2 s, and AOT autograd takes 9 s more), and the compiled kernels' first build (3 s warm, 12 s cold).
+    """
+    report = tmp_path / "resnet50_step.md"
+    proc = _run_module("launch.bench.resnet50_step", *RESNET50_TOY, f"output={report}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = resnet50_step.read_report(report)
+    assert report.read_text().split("```json")[0].strip() in proc.stdout  # the table is printed too
+
+    cpu_variants = [v for v in resnet50_step.VARIANTS if v not in resnet50_step.CUDA_ONLY]
+    rows = {row["variant"]: row for row in record["rows"]}
+    assert [(row["variant"], row["dtype"]) for row in record["rows"]] == [(v, "float32") for v in cpu_variants]
+    for name, row in rows.items():
+        assert len(row["times_ms"]) == 2 and min(row["times_ms"]) > 0 and row["median_ms"] > 0, name
+        assert row["ratio"] > 0, name
+        assert row["cuda_kernels"] is None, name  # counted on cuda only
+    # torch's function and CUDA graphs cannot run on CPU: each is reported skipped with its reason, not dropped.
+    assert set(record["skipped"]) == {"torch_function", "plain_reduce_overhead", "syncbn_dist_reduce_overhead"}
+    assert all("CUDA" in reason for reason in record["skipped"].values()), record["skipped"]
+    for name in record["skipped"]:
+        assert f"- `{name}`: " in proc.stdout
+
+    # Forced synchronization: one all_reduce per layer and direction, counted from the model's own BatchNorm layers.
+    layers = sum(isinstance(m, nn.BatchNorm2d) for m in ResNet50(width=8).modules())
+    assert layers == 53  # torchvision's resnet50
+    for name in ("naive", "syncbn_dist_native", "syncbn_dist_compiled", "syncbn_dist_compile"):
+        assert rows[name]["collectives"] == 2 * layers, name
+    assert rows["plain"]["collectives"] == rows["plain_compile"]["collectives"] == 0
+    # aten ops: where the counter sees them as they run; the synchronized layer dispatches more than plain's.
+    assert rows["syncbn_dist_native"]["aten_ops"] > rows["plain"]["aten_ops"] > 0
+    assert rows["syncbn_dist_compiled"]["aten_ops"] is None and rows["syncbn_dist_compile"]["aten_ops"] is None
+    assert rows["syncbn_dist_compile"]["graph_breaks"] == 0
+
+    # Over a group of one the synchronized layers compute plain BatchNorm: the same logits at the first step, the same
+    # loss at the first two (the second after one SGD step, so backward counts too). Plain BN's statistics are float32,
+    # syncbn_dist's float64, so each of the 53 layers' outputs differs by float32 rounding (1e-7 of O(1) values), which
+    # the depth carries to the O(1) logits: measured 2e-6, allowed 1e-4; the losses (about 7 and 5.5) 3e-7 relative,
+    # allowed 1e-5. A wrong variance (unbiased for biased: 4/3 at the last stage's 4 values per channel) or a wrong
+    # gradient changes them by orders of magnitude more.
+    plain = rows["plain"]
+    for name in ("syncbn_dist_native", "syncbn_dist_compiled", "syncbn_dist_compile", "plain_compile"):
+        assert rows[name]["max_abs_logit_diff"] <= 1e-4, (name, rows[name]["max_abs_logit_diff"])
+        torch.testing.assert_close(rows[name]["losses"], plain["losses"], rtol=1e-5, atol=0.0, msg=name)
+
+    targets = {(t["id"], t["numerator"]): t for t in record["targets"]}
+    assert targets[("G2", "syncbn_dist_compile")]["ratio"] > 0
+    # Without torch's function and CUDA graphs, G1 and G3 are not measured (and say so).
+    assert targets[("G1", "syncbn_dist_native")]["met"] is None
+    assert targets[("G3", "syncbn_dist_reduce_overhead")]["ratio"] is None
+    assert record["config"]["width"] == 8 and record["command"].endswith(f"output={report}")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("device=cuda", "config key 'device': 'cuda' was asked for but CUDA is not available"),
+        ("variants=[plain,apex]", "config key 'variants': expected a value listing distinct variants"),
+        ("warmup=1", "config key 'warmup': expected a value >= 2 (got 1)"),
+        ("image_size=16", "config key 'image_size': expected a value >= 32 (got 16)"),
+        ("widht=8", "unknown config key 'widht'"),
+    ],
+)
+def test_resnet50_step_exits_2_on_a_bad_config_naming_the_key(
+    override: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if override == "device=cuda" and torch.cuda.is_available():
+        pytest.skip("the refusal needs a machine without CUDA")
+    assert resnet50_step.main([override]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "error: " in line and message in line
