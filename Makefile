@@ -85,8 +85,9 @@ compare: install
 bench: install
 	$(PY) -m launch.bench.run --config configs/bench.yaml $(ARGS)
 
-# On a CUDA machine: the gpu-marked tests on both kernel sets, the one-layer benchmark on the GPU and the kernels'
-# device time (launch/bench/gpu.sh). GPU_PY: a python whose torch has CUDA (the .venv's is the CPU build).
+# On a CUDA machine: the gpu-marked tests on both kernel sets, the one-layer benchmark on the GPU, the ResNet-50
+# training step with each library's synchronization forced (launch.bench.resnet50_step: issue 34's G1-G3 ratios) and
+# the kernels' device time (launch/bench/gpu.sh). GPU_PY: a python whose torch has CUDA (the .venv's is the CPU build).
 GPU_PY ?= $(PY)
 GPU_OUT ?= outputs/bench_gpu
 bench-gpu:

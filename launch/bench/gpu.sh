@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The checks only a GPU can run (README, "GPU status"): the gpu-marked tests on both kernel sets, then the
 # one-layer microbenchmark on CUDA beside torch.nn.SyncBatchNorm's kernels, with K3 and the compile cost on Triton,
-# then each variant's kernels' device time (launch.bench.kernel_profile device=cuda). Writes 7 files into OUT_DIR.
+# the ResNet-50 training step with each library's synchronization forced (launch.bench.resnet50_step: issue 34's
+# G1-G3), then each variant's kernels' device time (launch.bench.kernel_profile device=cuda). Writes 8 files into
+# OUT_DIR, the most a device run brings back.
 #
 #   make bench-gpu GPU_PY=python3                   # writes outputs/bench_gpu/ (docs/performance_cuda.md: a copy)
 #   bash launch/bench/gpu.sh python3 /tmp/out       # a GPU machine whose python3 has torch (and omegaconf, tqdm)
@@ -21,6 +23,11 @@ status=0
 "$PY" -m launch.bench.run --config configs/bench.yaml 'scenarios=[]' device=cuda readme=null plot=false \
     output_dir="$OUT_DIR" 'micro.shapes=[[32,64,28,28],[8,256,14,14],[256,512],[64,256,56,56]]' "$@" 2>&1 \
     | tee "$OUT_DIR/bench.log" || status=1
+# The ResNet-50 step (ResNet-50, batch 64, 224x224, channels_last, bf16 autocast and float32, eager, torch.compile and
+# reduce-overhead): its report, markdown then JSON, is one file; its table also goes to bench.log. Inductor compiles
+# the model four times (minutes): past 480 s, SIGABRT makes the faulthandler print every thread's stack into the log.
+timeout -s ABRT 480 "$PY" -X faulthandler -m launch.bench.resnet50_step device=cuda \
+    output="$OUT_DIR/resnet50_step.md" 2>&1 | tee -a "$OUT_DIR/bench.log" || status=1
 # The kernels' device time beside torch's, at a layer in L2 and one larger than it.
 for args in "" "shape=[64,256,56,56] memory_format=channels_last"; do
     # shellcheck disable=SC2086  # $args: zero or more KEY=VALUE words
