@@ -4,23 +4,36 @@ Every test here is marked ``gpu`` and skips without CUDA (CI has none). The sync
 :class:`syncbn_dist.comm.DistributedTransport` on a one-member NCCL group (the module itself would skip the
 collective for one member), so the payload really goes through ``all_reduce`` on the GPU. The reference is
 ``F.batch_norm`` in training mode on a float64 CPU copy of the batch.
+
+CUDA graphs (converted layers forced onto that group with launch.bench.resnet50_step's ``force_sync``):
+``torch.compile(mode="reduce-overhead")`` of a converted ResNet against plain BatchNorm, and a ``torch.cuda.graph``
+capture of a whole DDP training step replayed against the same step run eagerly. Across ranks on one GPU: two gloo
+processes with CUDA tensors on GPU 0 (NCCL refuses two ranks on one device) run DDP with uneven and empty shards on
+both kernel sets, through convert_model, patch_sync_batchnorm and torch's patched nn.SyncBatchNorm, against float64
+BatchNorm on the concatenated batch.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import conv_bn_model
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from closeness import assert_close
+from resnet import resnet
+from torch.nn.parallel import DistributedDataParallel
 
 import syncbn_dist
 from launch.bench.micro import compiled_bytes_per_element
-from syncbn_dist import kernels
+from launch.bench.resnet50_step import force_sync
+from launch.common.spawn import run_distributed
+from syncbn_dist import SyncBatchNorm, kernels
 from syncbn_dist.comm import DistributedTransport
 from syncbn_dist.functions import sync_batch_norm
 
@@ -172,3 +185,212 @@ def test_converted_module_on_cuda_matches_float64_batchnorm(nccl_world_of_one: N
     reference.eval()
     # Eval uses the running statistics just compared; same float32 rounding.
     torch.testing.assert_close(layer(x64.float().cuda()).double().cpu(), reference(x64), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CUDA graphs: torch.compile(mode="reduce-overhead") and a torch.cuda.graph capture of a DDP training step, with the
+# layers forced through their synchronized path on the one-member NCCL group (launch.bench.resnet50_step.force_sync).
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _resnet_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(8, 3, 16, 16) float32 images (channels_last, mean 0.5, std 2) and (8,) targets of 5 classes, on GPU 0."""
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(8, 3, 16, 16, generator=gen) * 2 + 0.5
+    y = torch.randint(5, (8,), generator=gen)
+    return x.cuda().contiguous(memory_format=torch.channels_last), y.cuda()
+
+
+def _sgd_step(
+    forward: Callable[[torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One training step; copies of its (8, 5) logits and its loss (a CUDA graph's outputs are overwritten later)."""
+    optimizer.zero_grad(set_to_none=True)
+    logits = forward(x)
+    loss = F.cross_entropy(logits, y)
+    loss.backward()
+    optimizer.step()
+    return logits.detach().clone(), loss.detach().clone()
+
+
+def _synchronized_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """syncbn_dist's layers and torch.nn.SyncBatchNorm's below ``model``."""
+    return [m for m in model.modules() if isinstance(m, (SyncBatchNorm, torch.nn.SyncBatchNorm))]
+
+
+def test_reduce_overhead_runs_the_synchronized_model_in_cuda_graphs(
+    nccl_world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.compile(mode="reduce-overhead") of a converted ResNet (tests/resnet.py: 8 BatchNorm2d), its layers forced
+    onto the NCCL group: inductor keeps the whole step in CUDA graphs (no cudagraph skip, collectives inside), and
+    six SGD steps (warm-up, recording, then replays) give plain nn.BatchNorm2d's logits, losses and weights."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # float32 convolutions on both sides
+    reference = resnet(seed=5).cuda().to(memory_format=torch.channels_last)
+    model = force_sync(syncbn_dist.convert_model(copy.deepcopy(reference)))
+    compiled = torch.compile(model, mode="reduce-overhead")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    torch._dynamo.utils.counters.clear()
+    try:
+        for step in range(6):
+            x, y = _resnet_batch(step)
+            torch.compiler.cudagraph_mark_step_begin()
+            logits, loss = _sgd_step(compiled, optimizer, x, y)
+            ref_logits, ref_loss = _sgd_step(reference, ref_optimizer, x, y)
+            # Over a group of one the layer is plain BatchNorm: float32 rounding only (float64 statistics against
+            # cuDNN's float32 ones, inductor's fused sums), O(1) values, carried through at most six steps.
+            assert_close(logits.cpu(), ref_logits.cpu(), f"step {step} logits", rtol=1e-4, atol=1e-5)
+            assert_close(loss.cpu(), ref_loss.cpu(), f"step {step} loss", rtol=1e-5, atol=0.0)
+        skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+        assert skips == 0, "inductor left the step out of CUDA graphs (see its 'skipping cudagraphs' warning)"
+        assert all(layer.last_transport == "distributed" for layer in _synchronized_layers(model))
+        state, ref_state = model.state_dict(), reference.state_dict()
+        assert state.keys() == ref_state.keys()
+        for key, value in state.items():  # weights after six SGD steps and the running statistics: as above
+            assert_close(value.cpu(), ref_state[key].cpu(), key, rtol=1e-4, atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_cuda_graph_capture_of_a_ddp_step_replays_the_eager_step(
+    nccl_world_of_one: None, kernel_mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torch.cuda.graph capture of a whole DDP training step (forward, loss, backward with DDP's gradient
+    all_reduce, SGD step) of a converted ResNet with its layers forced onto the NCCL group, on both kernel sets:
+    each replay on a new batch gives what the same step run eagerly gives (loss, then weights, running statistics
+    and num_batches_tracked). torch's recipe for DDP (docs, "CUDA Graphs", "Usage with DistributedDataParallel"):
+    DDP constructed on a side stream, 11 eager warm-up iterations on it before the capture."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)  # the same convolution sums on both sides
+    base = resnet(seed=6).cuda().to(memory_format=torch.channels_last)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        captured = DistributedDataParallel(force_sync(syncbn_dist.convert_model(copy.deepcopy(base))), device_ids=[0])
+    eager = DistributedDataParallel(force_sync(syncbn_dist.convert_model(copy.deepcopy(base))), device_ids=[0])
+    optimizer = torch.optim.SGD(captured.parameters(), lr=0.1, momentum=0.9)
+    eager_optimizer = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    static_x, static_y = _resnet_batch(0)
+    with torch.cuda.stream(side):
+        for step in range(11):
+            x, y = _resnet_batch(step)
+            static_x.copy_(x)
+            static_y.copy_(y)
+            _sgd_step(captured, optimizer, static_x, static_y)
+            _sgd_step(eager, eager_optimizer, x, y)
+    torch.cuda.current_stream().wait_stream(side)
+
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_loss = F.cross_entropy(captured(static_x), static_y)
+        static_loss.backward()
+        optimizer.step()
+    losses = []
+    for step in range(11, 14):
+        x, y = _resnet_batch(step)
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+        _, loss = _sgd_step(eager, eager_optimizer, x, y)
+        # The same kernels on the same values: equal to float32 rounding (cuBLAS may choose another algorithm
+        # inside a capture, whose workspace differs), O(1) values.
+        assert_close(static_loss.cpu(), loss.cpu(), f"replay {step} loss", rtol=1e-5, atol=1e-6)
+        losses.append(static_loss.item())
+    assert len(set(losses)) == len(losses), losses  # each replay computed its own batch
+    assert all(layer.last_transport == "distributed" for layer in _synchronized_layers(captured.module))
+    state, eager_state = captured.module.state_dict(), eager.module.state_dict()
+    for key, value in state.items():  # weights after 14 SGD steps, running statistics, num_batches_tracked: as above
+        assert_close(value.cpu(), eager_state[key].cpu(), key, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Across ranks on one GPU: NCCL refuses two ranks on one device, gloo reduces CUDA tensors. Two ranks, CUDA tensors on
+# GPU 0, DDP, uneven and empty shards, both kernel sets, syncbn_dist's layers and torch's patched class.
+# ------------------------------------------------------------------------------------------------------------
+
+# splits[step][rank]: the rows of the global batch each rank holds at that step, uneven and empty ones included.
+GLOO_CUDA_SPLITS = [[5, 3], [6, 0], [0, 4], [2, 7]]
+
+
+def _gloo_cuda_model(how: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """tests/conv_bn_model.py's network (conv - BatchNorm2d - ReLU - Linear - BatchNorm1d) synchronized ``how``, in
+    float32 on GPU 0, and the same weights in float64 on the CPU with plain BatchNorm (the reference)."""
+    reference = conv_bn_model.build().float().double()  # float32 values, which the model holds exactly
+    if how == "convert_model":
+        model = syncbn_dist.convert_model(copy.deepcopy(reference))
+    elif how == "patch_sync_batchnorm":
+        with syncbn_dist.patch_sync_batchnorm():  # nn.BatchNorm2d/1d construct syncbn_dist's classes
+            model = conv_bn_model.build()
+    else:  # "patch_torch_sync_batchnorm": torch's own class and converter, synchronizing through syncbn_dist
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
+        assert type(model[1]) is torch.nn.SyncBatchNorm
+    assert len(_synchronized_layers(model)) == 2, how
+    return model.float().cuda(), reference
+
+
+def _check_gloo_cuda_ddp(rank: int, world_size: int, how: str) -> int:
+    """DDP over ``how``'s model for every step of :data:`GLOO_CUDA_SPLITS` against the reference on the whole batch:
+    this rank's outputs and input gradients, the parameter gradients (DDP's average) and the running statistics.
+    Returns the number of steps compared."""
+    model, reference = _gloo_cuda_model(how)
+    ddp = DistributedDataParallel(model, device_ids=[0])
+    for step, split in enumerate(GLOO_CUDA_SPLITS):
+        x, weights = conv_bn_model.batch(sum(split))
+        x, weights = (x + 0.25 * step).float().double(), weights.float().double()  # a new batch; float32 values
+        rows = slice(sum(split[:rank]), sum(split[: rank + 1]))
+        x_rank = x[rows].float().cuda().requires_grad_()
+        out = ddp(x_rank)
+        # x world_size: DDP averages the parameter gradients, so they are those of the global sum.
+        (out * weights[rows].float().cuda()).sum().mul(world_size).backward()
+        x_all = x.clone().requires_grad_()
+        expected = reference(x_all)
+        (expected * weights).sum().backward()
+
+        where = f"{how}, step {step}, split {split}"
+        assert out.device.type == "cuda" and out.dtype == torch.float32, where
+        # float32 on the GPU (TF32 off) against float64: O(1) values through a 1x1 convolution, BatchNorm2d, a Linear
+        # of 16 inputs and BatchNorm1d, float32 rounding only. The same check on CPU tensors measured 4e-7 for outputs,
+        # input gradients and running statistics, and 7e-6 for parameter gradients, which sum up to 36 products of
+        # O(1-10) values per rank: allowed 1e-5 and 1e-4.
+        tol = {"rtol": 1e-4, "atol": 1e-5}
+        assert_close(out.detach().cpu(), expected[rows], f"{where}: output", **tol)
+        assert_close(x_rank.grad.cpu() / world_size, x_all.grad[rows], f"{where}: grad_input", **tol)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert_close(p.grad.cpu(), q.grad, f"{where}: grad {name}", rtol=1e-4, atol=1e-4)
+        for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+            assert_close(b.cpu(), c, f"{where}: {name}", **tol)
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    assert [layer.last_transport for layer in _synchronized_layers(model)] == ["distributed"] * 2, how
+    return len(GLOO_CUDA_SPLITS)
+
+
+def _worker_gloo_cuda(rank: int, world_size: int) -> dict[str, int]:
+    assert dist.get_backend() == "gloo"
+    torch.cuda.set_device(0)  # both ranks on one GPU: what gloo allows and NCCL refuses
+    torch.backends.cudnn.allow_tf32 = False  # float32 convolutions and matmuls, compared with float64
+    torch.backends.cuda.matmul.allow_tf32 = False
+    done = {}
+    for mode in ("native", "compiled"):
+        syncbn_dist.set_kernels(mode)
+        for how in ("convert_model", "patch_sync_batchnorm"):
+            done[f"{mode}/{how}"] = _check_gloo_cuda_ddp(rank, world_size, how)
+        with syncbn_dist.patch_torch_sync_batchnorm():  # DDP too is built under the patch
+            how = "patch_torch_sync_batchnorm"
+            done[f"{mode}/{how}"] = _check_gloo_cuda_ddp(rank, world_size, how)
+    return done
+
+
+@pytest.mark.distributed
+def test_two_ranks_over_gloo_with_cuda_tensors_match_float64_batchnorm() -> None:
+    """Two processes on GPU 0 over gloo: DDP with uneven and empty shards on both kernel sets (an empty shard takes the
+    native ops, its peer the compiled kernels: members may differ in mode), through convert_model, the
+    patch_sync_batchnorm block and torch's patched nn.SyncBatchNorm, each equal to float64 BatchNorm on the
+    concatenated batch. The compiled kernels compile to Triton in each rank (tens of seconds)."""
+    results = run_distributed(_worker_gloo_cuda, 2, timeout=420, collective_timeout=180, backend="gloo")
+    expected = {
+        f"{mode}/{how}": len(GLOO_CUDA_SPLITS)
+        for mode in ("native", "compiled")
+        for how in ("convert_model", "patch_sync_batchnorm", "patch_torch_sync_batchnorm")
+    }
+    assert results == [expected, expected]
