@@ -475,3 +475,36 @@ def test_resnet50_step_exits_2_on_a_bad_config_naming_the_key(
     assert resnet50_step.main([override]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert "error: " in line and message in line
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_resnet50_step_on_cuda_forces_torchs_function_and_counts_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """device=cuda at toy size, the eager variants (the torch.compile ones are make bench-gpu's: minutes of inductor):
+    torch's SyncBatchNorm function runs forced, with its two collectives per layer (forward all_gather, backward
+    all_reduce) like the others, every row counts its CUDA kernels, and over a group of one the synchronized variants
+    give plain BatchNorm's logits and losses in float32."""
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # float32 convolutions (cuDNN's default is TF32), as on CPU
+    report = tmp_path / "resnet50_step.md"
+    eager = ["plain", "torch_function", "naive", "syncbn_dist_native"]
+    toy = [arg for arg in RESNET50_TOY if not arg.startswith(("device=", "dtypes=", "compile_"))]
+    proc = _run_module(
+        "launch.bench.resnet50_step", "device=cuda", *toy, f"variants=[{','.join(eager)}]", f"output={report}"
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = resnet50_step.read_report(report)
+    assert record["skipped"] == {} and record["device"] != "cpu"
+    rows = {(row["variant"], row["dtype"]): row for row in record["rows"]}
+    assert set(rows) == {(v, dtype) for v in eager for dtype in ("bfloat16", "float32")}
+    for (name, dtype), row in rows.items():
+        assert row["median_ms"] > 0 and row["cuda_kernels"] > 0 and row["aten_ops"] > 0, (name, dtype)
+        assert row["collectives"] == (0 if name == "plain" else 106), (name, dtype)  # 53 BatchNorm2d layers
+    plain = rows[("plain", "float32")]
+    for name in ("torch_function", "syncbn_dist_native"):
+        row = rows[(name, "float32")]
+        # As on CPU (test_resnet50_step_on_cpu_...): float32 rounding of each layer's statistics, carried by the depth.
+        assert row["max_abs_logit_diff"] <= 1e-4, (name, row["max_abs_logit_diff"])
+        torch.testing.assert_close(row["losses"], plain["losses"], rtol=1e-5, atol=0.0, msg=name)
+    assert all(t["ratio"] > 0 for t in record["targets"] if t["numerator"] == "syncbn_dist_native")
