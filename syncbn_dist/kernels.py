@@ -166,9 +166,14 @@ def _channel_shape(x: Tensor) -> list[int]:
     return [1, -1] + [1] * (x.dim() - 2)
 
 
-def _sum_per_channel(t: Tensor) -> Tensor:
+def _sum_per_channel(t: Tensor, staged: bool = True) -> Tensor:
     """Sum a (N, C, *) tensor over every dimension but C into (C,) float64, in the order that suits its layout and
     dtype; it is viewed as (N, C, L) (a view for contiguous and channels-last tensors).
+
+    ``staged=False`` (the layer traced into a user's ``torch.compile`` graph): one reduction over every dimension
+    but C, as plain BatchNorm's ``var_mean`` is, so that inductor gives it the loop order, the fusion with its
+    neighbours and (on CUDA) the split it gives plain BatchNorm. Measured on a ResNet-50 topology compiled on CPU:
+    1.9 generated kernels per layer over plain BatchNorm's, against 4.4 with the stages below.
 
     float64 ``t``, contiguous: one stage, the inner loop over L. float64 ``t``, channels innermost (channels_last
     flattened): first over L, then over N, because inductor's CPU kernel walks a reduced dimension once per block of
@@ -181,6 +186,8 @@ def _sum_per_channel(t: Tensor) -> Tensor:
     (8, 256, 196) bfloat16); the row sums keep about 1e-6 relative at L = 2**20 (measured), far below the input's
     own rounding (2**-8 for bfloat16, 2**-11 for float16).
     """
+    if not staged:
+        return t.sum([0, *range(2, t.dim())]).to(_F64)
     if t.dim() != 3:
         t = t.unsqueeze(2) if t.dim() == 2 else t.flatten(2)
     if t.dtype != _F64:
@@ -209,7 +216,7 @@ def _term_dtype(x: Tensor) -> torch.dtype:
 # channel rather than recomputing them (rsqrt in float64) at every element.
 
 
-def shard_payload(x: Tensor) -> tuple[Tensor, Tensor]:
+def shard_payload(x: Tensor, *, staged: bool = True) -> tuple[Tensor, Tensor]:
     """``[sum(x) (C), sum(x**2) (C), count]`` of one shard as (2C + 1,) float64, from one pass over ``x``.
 
     The sums are taken about ``s``, the shard's first value per channel: ``d = x - s`` (float64 for float32 input,
@@ -228,7 +235,7 @@ def shard_payload(x: Tensor) -> tuple[Tensor, Tensor]:
     else:
         shift = _first_value_per_channel(x).to(terms)
     centred = x.to(terms) - shift.view(_channel_shape(x))
-    sums, squares = _sum_per_channel(centred), _sum_per_channel(centred.square())
+    sums, squares = _sum_per_channel(centred, staged), _sum_per_channel(centred.square(), staged)
     shift_64 = shift.to(_F64)
     absolute_sums = sums + count * shift_64
     absolute_squares = squares + shift_64 * (2.0 * sums + count * shift_64)
@@ -272,7 +279,9 @@ def normalize(
     return y.to(x.dtype), mean_s, (m2 / (count - 1.0)).to(dtype), var.to(dtype), count.clone(), scale_s
 
 
-def grad_reductions(dy: Tensor, x: Tensor, mean: Tensor, var: Tensor, ones: Optional[Tensor], eps: float) -> Tensor:
+def grad_reductions(
+    dy: Tensor, x: Tensor, mean: Tensor, var: Tensor, ones: Optional[Tensor], eps: float, *, staged: bool = True
+) -> Tensor:
     """This shard's ``[sum(dy) (C), sum(dy * x_hat) (C)]`` as (2C,) float64, from one pass over ``dy`` and ``x``.
 
     ``ones`` (C,) holds 1.0 or is None (:func:`channel_ones`): ``sum(dy * ones)`` is ``sum(dy)``, indexed by channel as
@@ -285,7 +294,7 @@ def grad_reductions(dy: Tensor, x: Tensor, mean: Tensor, var: Tensor, ones: Opti
     centred = x.to(terms) - mean.to(terms).view(shape)
     invstd = torch.rsqrt(var.to(_F64) + eps)
     per_channel_grad = grad if ones is None else grad * ones.view(shape)
-    return torch.cat([_sum_per_channel(per_channel_grad), _sum_per_channel(grad * centred) * invstd])
+    return torch.cat([_sum_per_channel(per_channel_grad, staged), _sum_per_channel(grad * centred, staged) * invstd])
 
 
 def grad_input(
@@ -337,24 +346,26 @@ def payload_grad(
 
 
 def forward_region(
-    x: Tensor, weight: Tensor, bias: Tensor, eps: float, clip: bool, group_name: Optional[str]
+    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, clip: bool, group_name: Optional[str],
+    *, staged: bool = True,
 ) -> tuple[Tensor, ...]:
     """One layer's training forward over a process group: payload, all_reduce, normalize. Returns what
     :func:`normalize` returns, then :func:`shard_payload`'s shift (the caller drops ``scale`` and the shift, returned
-    so that they are stored, not recomputed)."""
-    payload, shift = shard_payload(x)
+    so that they are stored, not recomputed). ``staged``: see :func:`_sum_per_channel`."""
+    payload, shift = shard_payload(x, staged=staged)
     return (*normalize(x, all_reduce_sum(payload, group_name), weight, bias, eps, clip), shift)
 
 
 def backward_region(
-    dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, var: Tensor, count: Tensor, ones: Optional[Tensor],
-    eps: float, clip: bool, group_name: Optional[str], need_input: bool,
+    dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, count: Tensor, ones: Optional[Tensor],
+    eps: float, clip: bool, group_name: Optional[str], need_input: bool, *, staged: bool = True,
 ) -> tuple[Optional[Tensor], ...]:
     """One layer's backward over a process group: local reductions, all_reduce, grad_input. Returns
     ``(grad_input or None, sum(dy * x_hat), sum(dy), *coefficients)``: the parameter gradients are the local sums
     (DistributedDataParallel averages them, as with ``torch.nn.SyncBatchNorm``), and :func:`grad_input`'s
-    per-channel coefficients are returned so that they are stored, not recomputed."""
-    local = grad_reductions(dy, x, mean, var, ones, eps)
+    per-channel coefficients are returned so that they are stored, not recomputed. ``staged``: see
+    :func:`_sum_per_channel`."""
+    local = grad_reductions(dy, x, mean, var, ones, eps, staged=staged)
     sum_dy, sum_dy_xhat = local.chunk(2)
     # The collective runs whether or not grad_input is needed: every member sends the same collectives.
     total = all_reduce_sum(local, group_name)
@@ -462,6 +473,7 @@ class _CompiledKernel:
                 return _outside_ddp_forward(compiled, x, *args)
             fn, record = self.fn, {}
             copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
+            copy.__kwdefaults__ = fn.__kwdefaults__
             compiled = torch.compile(copy, backend=recording_backend(record), dynamic=True, fullgraph=True)
             with GraphCallRecorder() as recorder:
                 result = _outside_ddp_forward(compiled, x, *args)
@@ -536,7 +548,7 @@ def layer_forward(
     itself, so that inductor fuses it with the layers around it as it fuses plain BatchNorm.
     """
     if is_compiling():
-        return forward_region(input, weight, bias, eps, clip, group_name)[:5]
+        return forward_region(input, weight, bias, eps, clip, group_name, staged=False)[:5]
     x = _as_3d(input)
     y, mean, unbiased_var, var, count, *_ = _forward_region(
         x, _affine(weight, x, 1.0), _affine(bias, x, 0.0), eps, clip, group_name
@@ -555,7 +567,7 @@ def layer_backward(
     """
     if is_compiling():
         return backward_region(
-            grad_output, input, weight, mean, var, count, channel_ones(input), eps, clip, group_name, need_input
+            grad_output, input, weight, mean, var, count, None, eps, clip, group_name, need_input, staged=False
         )[:3]
     x = _as_3d(input)
     dx, sum_dy_xhat, sum_dy, *_ = _backward_region(

@@ -255,8 +255,7 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
             compile_seconds[name] = time.perf_counter() - warm
             graph_breaks[name] = sum(torch._dynamo.utils.counters["graph_break"].values())
 
-    # Counted on the native kernels: the compiled kernels' collective is torch's functional all_reduce inside a
-    # compiled region, which the counter (a wrapper of torch.distributed) cannot see; it sends the same payloads.
+    # Counted on the native kernels, the suite's default: both kernel sets send the same payloads.
     collectives: dict[str, list[dict[str, Any]]] = {}
     mode = kernels.get_kernels()
     kernels.set_kernels("native")

@@ -27,6 +27,7 @@ stand-in for its time on a GPU (and on CPU for any real activation size).
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from typing import Any, Callable, Optional
 
@@ -194,29 +195,57 @@ class CollectiveCounter:
     Each record is ``{"op", "phase", "bytes", "dtype", "group"}``: ``phase`` is whatever the caller last set
     on :attr:`phase` (e.g. "forward", "backward"), ``bytes`` the payload sent by this rank, ``group`` "world"
     for the default group or "other". Wrapping is observation only: the real collective runs unchanged.
-    Code that bound a collective by name at import time (``from torch.distributed import all_reduce``) or
-    calls it from C++ (DDP's gradient buckets) is not seen.
+    A process group's own ``allreduce`` called from Python (syncbn_dist's eager layers: ``group.allreduce``) is
+    recorded as ``all_reduce`` too, once (``dist.all_reduce`` calls it inside), and so are torch's functional
+    ``all_reduce`` and ``all_reduce_`` called from Python (compiled graphs' wrappers, eager code: syncbn_dist's
+    layers under ``torch.compile``). Code that bound a collective by name at import time (``from
+    torch.distributed import all_reduce``) or calls it from C++ (DDP's gradient buckets) is not seen.
     """
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
         self.phase = "forward"
         self._originals: dict[str, Callable[..., Any]] = {}
+        self._depth = threading.local()  # inside a counted torch.distributed call: its group.allreduce is not new
+
+    def _record(self, name: str, sent: Any, sent_bytes: int, group: Optional[Any]) -> None:
+        self.calls.append(
+            {
+                "op": name,
+                "phase": self.phase,
+                "bytes": sent_bytes,
+                "dtype": str(sent.dtype).replace("torch.", "") if isinstance(sent, Tensor) else None,
+                "group": "world" if group is None or group is dist.group.WORLD else "other",
+            }
+        )
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            group = _group_of(name, args, kwargs)
             sent = args[_SENT_ARG.get(name, 0)] if len(args) > _SENT_ARG.get(name, 0) else None
-            self.calls.append(
-                {
-                    "op": name,
-                    "phase": self.phase,
-                    "bytes": _sent_bytes(name, args, kwargs),
-                    "dtype": str(sent.dtype).replace("torch.", "") if isinstance(sent, Tensor) else None,
-                    "group": "world" if group is None or group is dist.group.WORLD else "other",
-                }
-            )
-            return original(*args, **kwargs)
+            self._record(name, sent, _sent_bytes(name, args, kwargs), _group_of(name, args, kwargs))
+            self._depth.value = getattr(self._depth, "value", 0) + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth.value -= 1
+
+        return counted
+
+    def _wrap_group_all_reduce(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(group: Any, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            if not getattr(self._depth, "value", 0):
+                first = tensors[0] if isinstance(tensors, (list, tuple)) else tensors
+                self._record("all_reduce", first, _sent_bytes("all_reduce", (tensors,), {}), group)
+            return original(group, tensors, *args, **kwargs)
+
+        return counted
+
+    def _wrap_functional_all_reduce(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(tensor: Tensor, reduce_op: str, group_name: str) -> Any:
+            world = dist.group.WORLD
+            group = world if world is not None and group_name == world.group_name else "other"
+            self._record("all_reduce", tensor, tensor.numel() * tensor.element_size(), group)
+            return original(tensor, reduce_op, group_name)
 
         return counted
 
@@ -225,9 +254,20 @@ class CollectiveCounter:
             if hasattr(dist, name):
                 self._originals[name] = getattr(dist, name)
                 setattr(dist, name, self._wrap(name, self._originals[name]))
+        # The class's own entry (a pybind instancemethod), restored as it was: the function read through the class
+        # no longer binds the group.
+        self._group_all_reduce = dist.ProcessGroup.__dict__["allreduce"]
+        dist.ProcessGroup.allreduce = self._wrap_group_all_reduce(dist.ProcessGroup.allreduce)
+        functional = torch.ops._c10d_functional
+        self._functional = {name: getattr(functional, name).default for name in ("all_reduce", "all_reduce_")}
+        for name, original in self._functional.items():
+            getattr(functional, name).default = self._wrap_functional_all_reduce(original)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for name, original in self._originals.items():
             setattr(dist, name, original)
         self._originals.clear()
+        dist.ProcessGroup.allreduce = self._group_all_reduce
+        for name, original in self._functional.items():
+            getattr(torch.ops._c10d_functional, name).default = original
