@@ -1,13 +1,15 @@
-r"""Synchronized batch-norm math: the per-channel statistics, their combination, and the autograd Functions.
+r"""The synchronized batch-norm autograd Functions and :func:`sync_batch_norm`, over any transport.
 
 One synchronized layer exchanges two small float64 tensors, whatever the transport:
 
 - forward, the local payload of 2C + 1 values ``[sum(x) (C), sum(x**2) (C), count]``, summed over every member
-  into the global payload (:func:`local_payload`, :func:`global_statistics`);
+  into the global payload (:mod:`syncbn_dist.statistics`);
 - backward, the local reductions of 2C values ``[sum(dy) (C), sum(dy * x_hat) (C)]``, summed into the global
-  ones, from which every member forms the exact global-batch ``grad_input`` (:func:`_grad_input`).
+  ones, from which every member forms the exact global-batch ``grad_input``.
 
-Two autograd shapes share that math:
+The per-element work runs on one of two kernel sets with the same math: torch's batch-norm ops
+(:mod:`syncbn_dist.native`) or one compiled region per direction (:mod:`syncbn_dist.kernels`, whose source is also
+what a user's ``torch.compile`` traces). Two autograd shapes share it:
 
 - :class:`_SyncBatchNormFunction`, one Function for transports that can sum a tensor inside a Function
   (``torch.distributed``): forward and backward each run one collective. It is what ``torch.compile`` traces.
@@ -20,11 +22,6 @@ Higher-order derivatives are exact on both shapes: under ``backward(create_graph
 autograd's own gradients of the forward written in plain ops (over a process group with the transport's
 differentiable ``all_reduce``), so they can be differentiated again; forward-mode AD has ``jvp``s with the global
 tangent statistics. docs/design.md, "Higher-order derivatives", has the math.
-
-The statistics are taken from a float64 copy of the activation by the native statistics kernel: one pass that
-is exact at any |mean|/std (the sums of a float32 shard in float64 carry no cancellation at the 1e4 ratios the
-tests use) and on every layout and dtype, float16/bfloat16 included. That trades one activation-sized float64
-temporary for the handful of per-channel float32 corrections an exact float32 pass would need.
 """
 
 from __future__ import annotations
@@ -38,9 +35,28 @@ from torch.autograd import Function, forward_ad
 
 from . import kernels
 from .kernels import _channel_shape, _stat_dtype, _values_per_channel
+from .native import (
+    _as_stat,
+    _batch_norm_inference,
+    _grad_input,
+    _like_input,
+    _local_reductions,
+    _normalizing_var,
+    _scaled_grad_and_reductions,
+)
+from .statistics import (
+    _COMBINE_DTYPE,
+    LEAN_MIN_NUMEL,
+    _checked_count,
+    combine_moments,
+    global_statistics,
+    local_moments,
+    local_payload,
+)
 from .tracing import is_compiling
 
 __all__ = [
+    "LEAN_MIN_NUMEL",
     "Transport",
     "combine_moments",
     "global_statistics",
@@ -49,17 +65,8 @@ __all__ = [
     "sync_batch_norm",
 ]
 
-# Statistics are combined in float64: the sum of squares of data with |mean|/std = 1e4 carries 1e8 times more
-# magnitude than the variance, which float32 cannot resolve (E[x^2] - E[x]^2 cancels catastrophically).
-_COMBINE_DTYPE = torch.float64
 
 EPS_MODES = ("plus", "clip")
-# Eager CPU float32/float64 activations of at least this many elements (1 MiB of float32) take the memory-lean
-# path (44 B/elem on contiguous NCHW float32 at 44 ops per layer, 56 B/elem at 36 ops elsewhere) and the rest the
-# op-lean path (68 B/elem, 29 ops): latency, not bandwidth, bounds a small layer. The measured crossover (1 thread,
-# both paths interleaved in one process, other work on the machine): lean / op-lean time 1.07 at 100,352 elements,
-# 0.82 at 200,704, 0.89-0.90 from 401,408 to 1,605,632 (contiguous NCHW, C = 64). See docs/design.md.
-LEAN_MIN_NUMEL = 1 << 18
 
 
 class Transport(Protocol):
@@ -79,265 +86,10 @@ class Transport(Protocol):
     def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None: ...
 
 
-def local_payload(input: Tensor) -> Tensor:
-    """The ``[sum (C), sum of squares (C), count]`` of one shard, as a (2C + 1,) float64 tensor.
-
-    Computed as ``count * [mean, var + mean**2, 1]`` from the native statistics kernel
-    (``torch.batch_norm_update_stats``; ``torch.var_mean`` inside a ``torch.compile`` graph) on a float64 copy
-    of ``input``: the mean and the biased variance come out in float64 for every layout and dtype, so the
-    payload is exact to float64 rounding. Contiguous float32 (N, C, *spatial) inputs in the memory-lean regime
-    skip the copy (:func:`_copy_free_payload`, as exact).
-
-    Args:
-        input: (N, C, *) floating tensor, any memory format; N may be 0.
-
-    Returns:
-        (2C + 1,) float64 tensor on the input's device; zeros for an empty shard.
-    """
-    num_features = input.size(1)
-    count = input.numel() // num_features if num_features else 0
-    if count == 0:
-        # Zeros made from the input, not a constant: under torch.compile two constant payloads of equal size would
-        # be merged into one collective (common-subexpression elimination), leaving this rank a collective short.
-        return input.new_zeros(2 * num_features + 1, dtype=_COMBINE_DTYPE)
-    if _lean_regime(input) and input.dtype == torch.float32 and input.is_contiguous() and input.dim() > 2:
-        return _copy_free_payload(input, count)
-    shard = input.to(_COMBINE_DTYPE)
-    if is_compiling():
-        # batch_norm_update_stats has no fake-tensor kernel for dynamic shapes; var_mean traces everywhere.
-        var, mean = torch.var_mean(shard, [0, *range(2, shard.dim())], correction=0)
-    else:
-        mean, var = torch.batch_norm_update_stats(shard, None, None, 0.0)
-    moments = torch.cat([mean, torch.addcmul(var, mean, mean)])
-    return F.pad(moments, (0, 1), value=1.0).mul_(count)
 
 
-def _lean_regime(input: Tensor) -> bool:
-    """Whether the layer takes the memory-lean path: eager CPU float32/float64 activations of at least
-    ``LEAN_MIN_NUMEL`` elements.
-
-    ``torch.compile`` graphs keep the op-lean path, so that the compiled graph does not depend on the size. float16
-    and bfloat16 keep it too: the lean ``grad_input``'s ``addcmul_`` with a float32 scale made their layer slower
-    (measured 1.25x contiguous, 1.65x channels_last at (32, 64, 28, 28) bfloat16).
-    """
-    return (
-        not is_compiling()
-        and not input.is_cuda
-        and input.dtype not in (torch.float16, torch.bfloat16)
-        and input.numel() >= LEAN_MIN_NUMEL
-    )
 
 
-def _copy_free_payload(input: Tensor, count: int) -> Tensor:
-    """:func:`local_payload` of a contiguous float32 CPU (N, C, *spatial) shard without a float64 copy.
-
-    ``torch.batch_norm_update_stats`` gives the float32 mean ``m`` and the variance ``v`` about ``m`` (accumulated
-    in double on this layout); the eval-mode ``native_batch_norm_backward`` with an expanded ones as ``dy`` gives
-    ``D = sum(x - m)`` (float32 products accumulated in double: exact for the float32 differences). In float64,
-    ``S = n m + D`` and ``sum(x**2) = sum((x - m)**2) + 2 m D + n m**2 = n v + m (S + D)``, so the variance about
-    the exact mean is not lost to the rounding of ``m`` (the combination is Chan et al. 1979, as sums).
-    """
-    mean, var = torch.batch_norm_update_stats(input, None, None, 0.0)
-    one = input.new_ones(())
-    _, offset, _ = torch.ops.aten.native_batch_norm_backward(
-        one.expand(input.shape), input, None, mean, one.expand(input.size(1)), None, None, False, 0.0,
-        [False, True, False],
-    )
-    mean = mean.to(_COMBINE_DTYPE)
-    sums = torch.add(offset.to(_COMBINE_DTYPE), mean, alpha=count)
-    squares = torch.addcmul(var.to(_COMBINE_DTYPE) * count, mean, sums + offset)
-    return F.pad(torch.cat([sums, squares]), (0, 1), value=float(count))
-
-
-def global_statistics(total: Tensor) -> tuple[Tensor, Tensor]:
-    """Global mean, biased and unbiased variance per channel from a summed payload (Chan et al. 1979, as sums).
-
-    Args:
-        total: (2C + 1,) float64, the :func:`local_payload` summed over every member.
-
-    Returns:
-        ``stats``, a (3, C) float64 tensor with rows ``[mean, var, unbiased var]``, and ``count``, the (1,) global
-        count (a view of ``total``). The statistics are only meaningful for a global count of at least 2 (the
-        callers check it); a zero count gives NaNs.
-    """
-    num_features = total.numel() // 2
-    sums, squares, count = total.split([num_features, num_features, 1])
-    mean = sums / count
-    # M2 = sum((x - mean)**2) = sum(x**2) - sum(x) * mean, combined in float64 from exact per-shard sums.
-    m2 = torch.addcmul(squares, sums, mean, value=-1.0)
-    return torch.stack([sums, m2, m2]) / torch.stack([count, count, count - 1.0]), count
-
-
-def local_moments(input: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-channel count, sum and sum of squares of one shard of the batch, in float64.
-
-    Args:
-        input: (N, C, *) floating tensor, any memory format; N may be 0.
-
-    Returns:
-        ``count`` of shape (1,) and ``moments`` of shape (2C,) = [sum(C), sumsq(C)], both float64 on the
-        input's device. An empty input gives zeros of the same shapes and dtype.
-    """
-    payload = local_payload(input)
-    return payload[-1:], payload[:-1]
-
-
-def combine_moments(count: Tensor, moments: Tensor) -> tuple[Tensor, Tensor]:
-    """Global mean and biased variance from summed counts and moments.
-
-    The sums were formed from exact per-shard means and variances and are combined in float64: the
-    parallel-variance combination of Chan, Golub & LeVeque (1979) expressed as sums.
-
-    Args:
-        count: (1,) float64, the total number of values per channel (may be 0).
-        moments: (2C,) float64, [sum(C), sumsq(C)] summed over every shard.
-
-    Returns:
-        ``mean`` and ``var`` of shape (C,), float64. With a zero count both are zeros.
-    """
-    stats, _ = global_statistics(torch.cat([moments, count.clamp(min=1.0)]))
-    return stats[0], stats[1].clamp(min=0.0)
-
-
-def _like_input(grad_output: Tensor, input: Tensor) -> Tensor:
-    """``grad_output`` in the input's memory format (no copy when they already match).
-
-    The CPU batch-norm backward kernel mis-reduces a channels_last input whose batch stride is not the canonical
-    one (N == 1: strides like (3, 1, 6, 3)) with a grad_output in another layout.
-    """
-    if not input.is_contiguous():
-        if input.dim() == 4 and input.is_contiguous(memory_format=torch.channels_last):
-            return grad_output.contiguous(memory_format=torch.channels_last)
-        if input.dim() == 5 and input.is_contiguous(memory_format=torch.channels_last_3d):
-            return grad_output.contiguous(memory_format=torch.channels_last_3d)
-    return grad_output.contiguous()
-
-
-def _normalizing_var(var: Tensor, eps: float, eps_mode: str) -> Tensor:
-    """The variance the native kernels see, so that their ``rsqrt(var + eps)`` is the mode's invstd."""
-    if eps_mode == "clip":
-        # max(var, eps) = (max(var, eps) - eps) + eps; in backward the kernels treat it as a constant per channel,
-        # which is right where var < eps (the variance no longer depends on x) and is corrected below elsewhere.
-        return var.clamp(min=eps) - eps
-    return var
-
-
-def _local_reductions(
-    grad_output: Tensor, input: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, eps: float
-) -> tuple[Tensor, Tensor]:
-    """This shard's ``sum(dy)`` and ``sum(dy * x_hat)`` per channel, each (C,) in the statistics dtype.
-
-    ``x_hat = (x - mean) * rsqrt(var + eps)`` with the global statistics; the native inference-mode backward
-    with them as "running" statistics gives exactly ``grad_bias = sum(dy)`` and ``grad_weight = sum(dy * x_hat)``.
-    """
-    if input.numel() == 0:  # the native kernel divides by the count; an empty shard sums to zero
-        # A sum of the (empty) grad_output, not a constant, so that under torch.compile the backward collective
-        # depends on the gradient and stays in the backward graph, in order (a constant would be hoisted forward).
-        zeros = grad_output.sum(dim=[0] + list(range(2, grad_output.dim()))).to(mean.dtype)
-        return zeros, zeros
-    if input.is_cuda:
-        # The CUDA kernels torch.nn.SyncBatchNorm uses (the CUDA inference-mode backward wants saved statistics).
-        invstd = torch.rsqrt(var + eps)
-        if _rounds_each_product(input):
-            grad_output, input = grad_output.float(), input.float()
-        sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
-            grad_output, input, mean, invstd, _as_stat(weight, mean), True, False, False
-        )
-        return sum_dy, sum_dy_xmu * invstd
-    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-        grad_output, input, _as_stat(weight, mean), mean, var, None, None, False, eps, [False, True, True]
-    )
-    return sum_dy, sum_dy_xhat
-
-
-def _rounds_each_product(input: Tensor) -> bool:
-    """Whether torch's CUDA ``batch_norm_backward_reduce`` would round each ``dy * (x - mean)`` to the input dtype
-    before summing: its kernel for (N, C, *) layouts does so for float16/bfloat16 (sums 2e-3 to 4e-3 relative off
-    for bfloat16, 7e-4 for float16, on an H200 with torch 2.11; 1e-7 on float32 copies); its channels-last and 2-D
-    kernel accumulates in float32."""
-    channels_last_kernel = input.dim() == 2 or input.is_contiguous(memory_format=torch.channels_last)
-    return input.dtype in (torch.float16, torch.bfloat16) and not channels_last_kernel
-
-
-def _grad_input(
-    grad_output: Tensor,
-    input: Tensor,
-    weight: Optional[Tensor],
-    mean: Tensor,
-    var: Tensor,
-    count: Tensor,
-    reductions: Tensor,
-    eps: float,
-    clipped: Optional[Tensor],
-) -> Tensor:
-    """The exact global-batch ``grad_input`` of this shard (Ioffe & Szegedy 2015, arXiv:1502.03167).
-
-        grad_input = weight * invstd * (dy - sum(dy) / N - x_hat * sum(dy * x_hat) / N)
-
-    with the global count N and the global reductions. ``dy - sum(dy) / N - x_hat * sum(dy * x_hat) / N`` is
-    one native inference-mode batch norm of ``x`` subtracted from ``dy``, and the scaling by
-    ``weight * invstd`` is the native inference-mode backward.
-
-    Args:
-        grad_output: (N, C, *) ``dy``; input: (N, C, *); weight: (C,) or None.
-        mean, var: (C,) global statistics in the kernels' dtype (``var`` as :func:`_normalizing_var` gives it).
-        count: (1,) float64 global count; reductions: (2C,) float64 global ``[sum(dy), sum(dy * x_hat)]``.
-        clipped: (C,) bool, channels whose variance was clipped to eps ("clip" mode), or None.
-    """
-    if input.numel() == 0:
-        # Made from grad_output, not a constant, so that under torch.compile what follows stays in backward.
-        return torch.zeros_like(grad_output)
-    mean_dy, mean_dy_xhat = (reductions / count).to(mean.dtype).chunk(2)
-    if clipped is not None:
-        # A clipped channel's invstd does not depend on x: its x_hat term vanishes.
-        mean_dy_xhat = mean_dy_xhat.masked_fill(clipped, 0.0)
-    if input.is_cuda:
-        # torch.nn.SyncBatchNorm's CUDA kernel: it divides the sums by the total of the counts it is given.
-        invstd = torch.rsqrt(var + eps)
-        return torch.batch_norm_backward_elemt(
-            grad_output, input, mean, invstd, _as_stat(weight, mean), mean_dy, mean_dy_xhat / invstd,
-            torch.ones(1, dtype=torch.int32, device=input.device),
-        )
-    if _lean_regime(input):
-        # dy * scale - scale * (mean_dy + x_hat * mean_dy_xhat): one inference batch norm and one addcmul_.
-        scale = torch.rsqrt(var + eps)
-        if weight is not None:
-            scale = scale * weight.to(mean.dtype)
-        correction = _batch_norm_inference(input, mean_dy_xhat * -scale, mean_dy * -scale, mean, var, eps)
-        return correction.addcmul_(grad_output, scale.view([1, -1] + [1] * (input.dim() - 2)))
-    centred = grad_output - _batch_norm_inference(input, mean_dy_xhat, mean_dy, mean, var, eps)
-    weight = torch.ones_like(mean) if weight is None else weight.to(mean.dtype)
-    grad_input, _, _ = torch.ops.aten.native_batch_norm_backward(
-        centred, input, weight, mean, var, None, None, False, eps, [True, False, False]
-    )
-    return grad_input
-
-
-def _checked_count(total: Tensor, input: Tensor) -> None:
-    """Raise on every member if the global count per channel is 1; look only where it can be below 2.
-
-    Only shards of 0 or 1 values per channel can be part of a global count below 2, so every member that could
-    see such a count reads it, and all of them agree; larger shards never wait on the device. Under
-    ``torch.compile`` the check is an in-graph assertion (``torch._assert_async``), which raises RuntimeError
-    with the same message instead of ValueError: the count cannot be read on the host inside a graph.
-
-    Args:
-        total: the summed payload, or the (1,) global count (its last value is the count).
-        input: this member's (N, C, *) shard.
-
-    Raises:
-        ValueError: if the global count per channel is 1 (raised on every member, which all see that count).
-    """
-    if _values_per_channel(input) > 1:
-        return
-    message = (
-        "Expected more than 1 value per channel when training, got a global batch of 1 value per channel "
-        f"(local input size {list(input.shape)})"
-    )
-    if is_compiling():
-        torch._assert_async(total[-1] != 1.0, message)
-    elif int(total[-1].item()) == 1:
-        raise ValueError(message)
 
 
 def _apply(function: type[Function], *args: Any) -> Any:
@@ -730,44 +482,6 @@ def _recorded_normalize_backward(ctx: Any, grad_output: Tensor) -> list[Optional
     return [next(found) if need else None for need in ctx.needs_input_grad[:4]]
 
 
-def _scaled_grad_and_reductions(
-    grad_output: Tensor, input: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``weight * invstd * dy`` in the input's dtype and memory format, with this shard's ``sum(dy)`` and
-    ``sum(dy * x_hat)`` (each (C,) in the statistics dtype): the native inference-mode backward."""
-    if input.numel() == 0:
-        sum_dy, sum_dy_xhat = _local_reductions(grad_output, input, weight, mean, var, eps)
-        return torch.empty_like(grad_output), sum_dy, sum_dy_xhat
-    if input.is_cuda:  # the CUDA kernels of torch.nn.SyncBatchNorm, with zero corrections for the scaled dy
-        sum_dy, sum_dy_xhat = _local_reductions(grad_output, input, weight, mean, var, eps)
-        zeros = torch.zeros_like(mean)
-        scaled = torch.batch_norm_backward_elemt(
-            grad_output, input, mean, torch.rsqrt(var + eps), _as_stat(weight, mean), zeros, zeros,
-            torch.ones(1, dtype=torch.int32, device=input.device),
-        )
-        return scaled, sum_dy, sum_dy_xhat
-    weight = torch.ones_like(mean) if weight is None else weight.to(mean.dtype)
-    scaled, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-        grad_output, input, weight, mean, var, None, None, False, eps, [True, True, True]
-    )
-    return scaled, sum_dy, sum_dy_xhat
-
-
-def _batch_norm_inference(
-    input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, var: Tensor, eps: float
-) -> Tensor:
-    """``(input - mean) * rsqrt(var + eps) * weight + bias`` per channel: one native kernel, any memory format.
-
-    The aten op itself rather than ``F.batch_norm``, whose dispatch allocates a reserve buffer first.
-    """
-    if input.numel() == 0:  # the kernel would lay an empty output out contiguously; keep the input's format
-        return torch.empty_like(input)
-    return torch.ops.aten._native_batch_norm_legit_no_training(input, weight, bias, mean, var, 0.0, eps)[0]
-
-
-def _as_stat(param: Optional[Tensor], stat: Tensor) -> Optional[Tensor]:
-    """An affine parameter in the statistics' dtype: native kernels need them to match (C-sized cast)."""
-    return None if param is None else param.to(stat.dtype)
 
 
 def _update_running_stats(

@@ -23,7 +23,7 @@ the native path on CUDA, where it measured faster. Under a user's own
 ``torch.compile`` the layer's ops are traced into the user's graph as before, whatever the switch says.
 
 Exactness: the shard sums are taken about the shard's first value per channel (a shift that removes a large mean
-before squaring, then added back in float64, as :func:`syncbn_dist.functions._copy_free_payload` does), and every
+before squaring, then added back in float64, as :func:`syncbn_dist.statistics._copy_free_payload` does), and every
 reduction of float32 or float64 input accumulates in float64, so the statistics are exact to float64 rounding at
 any |mean|/std (float16/bfloat16 input: about 1e-6 relative, :func:`_sum_per_channel`, against the input's own
 2**-11 or 2**-8); the elementwise passes compute ``(x - mean) * scale + shift`` in the statistics dtype, as the
@@ -34,20 +34,15 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
-import types
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torch._dynamo import config as dynamo_config
-from torch.fx.experimental import _config as fx_config
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .comm.distributed import all_reduce_sum
-from .direct_call import DirectCall, GraphCallRecorder, recording_backend
+from .compiled_kernel import _CompiledKernel
 from .tracing import is_compiling
 
 __all__ = ["KERNEL_MODES", "get_kernels", "set_kernels"]
@@ -373,120 +368,6 @@ def backward_region(
         return None, sum_dy_xhat, sum_dy
     dx, *coefficients = grad_input(dy, x, weight, mean, var, count, total, eps, clip)
     return (dx, sum_dy_xhat, sum_dy, *coefficients)
-
-
-def _outside_ddp_forward(compiled: Callable[..., Any], *args: Any) -> Any:
-    """Call ``compiled`` with DistributedDataParallel's active module cleared.
-
-    Inside a DDP forward, Dynamo takes any compilation for the DDP model's and splits its graph at DDP's gradient
-    buckets (``optimize_ddp``), which fails on a kernel ("First bucket should be smaller/equal to other buckets").
-    The class attribute is what Dynamo reads (``DistributedDataParallel._get_active_ddp_module``); setting it costs
-    nothing, where ``torch._dynamo.config.patch(optimize_ddp=False)`` costs 27 µs a call.
-    """
-    active = DistributedDataParallel._active_ddp_module
-    if active is None:
-        return compiled(*args)
-    DistributedDataParallel._active_ddp_module = None
-    try:
-        return compiled(*args)
-    finally:
-        DistributedDataParallel._active_ddp_module = active
-
-
-@functools.cache
-def install_placeholder_cuda_guard() -> None:
-    """Have torch install its placeholder CUDA device guard from a thread that lives as long as the process.
-
-    With no usable GPU, every FakeTensorMode entry (each trace of torch.compile) calls
-    ``torch._C._ensureCUDADeviceGuardSet``. On torch 2.11's CUDA wheel its first call puts a guard owned by the
-    calling thread (a ``thread_local``) into the process-wide registry: when a replica thread traced first, the
-    registry points at freed memory once that thread ends, and the next device-guard lookup (a backward, another
-    trace) segfaults. torch 2.12 does not. Called before the first compilation and before replica threads start:
-    from the main thread it installs the guard there; from any other thread, in a parked daemon thread.
-    """
-    if torch.cuda.is_available() or not hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
-        return
-    if threading.current_thread() is threading.main_thread():
-        torch._C._ensureCUDADeviceGuardSet()
-        return
-    installed = threading.Event()
-
-    def own_the_guard() -> None:
-        torch._C._ensureCUDADeviceGuardSet()
-        installed.set()
-        threading.Event().wait()  # parked: the guard lives as long as this thread
-
-    threading.Thread(target=own_the_guard, name="syncbn_dist-cuda-guard", daemon=True).start()
-    installed.wait()
-
-
-# Held for the first call of every signature: one compilation at a time, under the config patch above it.
-_FIRST_CALL_LOCK = threading.Lock()
-# Whether a signature's later calls run its inductor graph directly (syncbn_dist.direct_call) where they can; the
-# torch.compile path otherwise. Read when a signature is first compiled.
-DIRECT_CALLS = True
-
-
-class _CompiledKernel:
-    """``torch.compile(fn, dynamic=True, fullgraph=True)`` per signature, built on first use.
-
-    A signature is the first tensor's device, dtype, layout and sizes of one, and the values of the arguments that
-    are not tensors (``eps``, ``clip``, the group name, ``need_input``, an absent ``ones``): each is a constant of its
-    graph. A float would otherwise be a symbolic input that every call converts to a tensor, and a layer with another
-    ``eps`` gets a graph of its own (models use one ``eps``). Each signature compiles a copy of ``fn``'s code object,
-    so each has its own Dynamo cache and recompilation limit (a process that meets many dtypes and layouts would
-    exhaust a single one); a lock around the first call of a signature makes replica threads that meet it together
-    compile it once, and sizes that happen to be equal then get symbols of their own (no duck sizing), so a signature
-    compiles once. Its later calls run its inductor graph directly where Dynamo's guards would pass them
-    (:class:`syncbn_dist.direct_call.DirectCall`, built from the first call), and through ``torch.compile`` otherwise.
-    """
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-        self.compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
-        self.direct: dict[tuple[Any, ...], Optional[DirectCall]] = {}
-
-    # Never traced: a user's torch.compile traces the native ops instead (is_compiling), but where it runs the layer
-    # eagerly while Dynamo still intercepts new frames (a frame it skips, e.g. past its recompile limit), Dynamo would
-    # otherwise trace into inductor's generated code of a direct call, whose in-place functional all_reduce it cannot
-    # compile.
-    @torch.compiler.disable
-    def __call__(self, x: Tensor, *args: Any) -> Any:
-        # Sizes of 0 and 1 are specialized by Dynamo even with dynamic shapes: N, C and L of one are signatures.
-        sizes_of_one = (x.size(0) == 1, x.size(1) == 1, x.size(2) == 1)
-        constants = tuple(arg for arg in args if not isinstance(arg, Tensor))
-        signature = (x.device, x.dtype, x.stride(1) == 1, *sizes_of_one, *constants)
-        direct = self.direct.get(signature)
-        if direct is not None:
-            result = direct((x, *args))
-            if result is not None:
-                return result
-        compiled = self.compiled.get(signature)
-        if compiled is not None:
-            return _outside_ddp_forward(compiled, x, *args)
-        # No duck sizing: sizes that happen to be equal at the first call (N == C) would otherwise share a symbol,
-        # and every later call where they differ would recompile, until Dynamo's recompile limit fails the call.
-        install_placeholder_cuda_guard()
-        with _FIRST_CALL_LOCK, fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
-            compiled = self.compiled.get(signature)
-            if compiled is not None:  # another thread compiled it while this one waited
-                return _outside_ddp_forward(compiled, x, *args)
-            fn, record = self.fn, {}
-            copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
-            copy.__kwdefaults__ = fn.__kwdefaults__
-            compiled = torch.compile(copy, backend=recording_backend(record), dynamic=True, fullgraph=True)
-            with GraphCallRecorder() as recorder:
-                result = _outside_ddp_forward(compiled, x, *args)
-            self.compiled[signature] = compiled
-            if DIRECT_CALLS:
-                self.direct[signature] = DirectCall.build(
-                    fn, record.get("sources"), recorder.calls, (x, *args), result
-                )
-            return result
-
-    def graphs(self) -> int:
-        """How many signatures this kernel compiled in this process."""
-        return len(self.compiled)
 
 
 _forward_region = _CompiledKernel(forward_region)

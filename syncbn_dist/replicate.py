@@ -11,7 +11,7 @@ import torch.utils._pytree
 from torch import Tensor, nn
 
 from .comm.replica import ReplicaSyncError, Replication, SyncMaster
-from .kernels import install_placeholder_cuda_guard
+from .compiled_kernel import install_placeholder_cuda_guard
 
 __all__ = [
     "CallbackContext",

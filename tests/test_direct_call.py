@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from launch.common.spawn import run_distributed
-from syncbn_dist import kernels
+from syncbn_dist import compiled_kernel, kernels
 from syncbn_dist.direct_call import DirectCall
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -126,7 +126,7 @@ def test_calls_dynamos_guards_would_treat_differently_take_the_compiled_path() -
 
 
 def test_direct_calls_off_keeps_the_torch_compile_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "DIRECT_CALLS", False)
+    monkeypatch.setattr(compiled_kernel, "DIRECT_CALLS", False)
     kernel = kernels._CompiledKernel(kernels.forward_region)
     args = _forward_args(torch.randn(4, 6, 5, 3))
     kernel(*args)

@@ -1,0 +1,171 @@
+"""The native kernels: the synchronized layer's per-element work as torch's own batch-norm ops.
+
+The ``"native"`` kernel set (:func:`syncbn_dist.set_kernels`) and every call the compiled kernels do not serve
+(forward-mode AD, ``backward(create_graph=True)``, shards of at most one value per channel, dispatch modes) run
+these: the inference-mode batch norm for the normalization, the inference-mode backward for the local reductions
+and ``grad_input`` on CPU, and on CUDA the kernels ``torch.nn.SyncBatchNorm`` uses. Each op is one of torch's
+native kernels, so a layer costs few dispatches; the statistics they take come from :mod:`syncbn_dist.statistics`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .statistics import _lean_regime
+
+
+def _like_input(grad_output: Tensor, input: Tensor) -> Tensor:
+    """``grad_output`` in the input's memory format (no copy when they already match).
+
+    The CPU batch-norm backward kernel mis-reduces a channels_last input whose batch stride is not the canonical
+    one (N == 1: strides like (3, 1, 6, 3)) with a grad_output in another layout.
+    """
+    if not input.is_contiguous():
+        if input.dim() == 4 and input.is_contiguous(memory_format=torch.channels_last):
+            return grad_output.contiguous(memory_format=torch.channels_last)
+        if input.dim() == 5 and input.is_contiguous(memory_format=torch.channels_last_3d):
+            return grad_output.contiguous(memory_format=torch.channels_last_3d)
+    return grad_output.contiguous()
+
+
+def _normalizing_var(var: Tensor, eps: float, eps_mode: str) -> Tensor:
+    """The variance the native kernels see, so that their ``rsqrt(var + eps)`` is the mode's invstd."""
+    if eps_mode == "clip":
+        # max(var, eps) = (max(var, eps) - eps) + eps; in backward the kernels treat it as a constant per channel,
+        # which is right where var < eps (the variance no longer depends on x) and is corrected below elsewhere.
+        return var.clamp(min=eps) - eps
+    return var
+
+
+def _local_reductions(
+    grad_output: Tensor, input: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """This shard's ``sum(dy)`` and ``sum(dy * x_hat)`` per channel, each (C,) in the statistics dtype.
+
+    ``x_hat = (x - mean) * rsqrt(var + eps)`` with the global statistics; the native inference-mode backward
+    with them as "running" statistics gives exactly ``grad_bias = sum(dy)`` and ``grad_weight = sum(dy * x_hat)``.
+    """
+    if input.numel() == 0:  # the native kernel divides by the count; an empty shard sums to zero
+        # A sum of the (empty) grad_output, not a constant, so that under torch.compile the backward collective
+        # depends on the gradient and stays in the backward graph, in order (a constant would be hoisted forward).
+        zeros = grad_output.sum(dim=[0] + list(range(2, grad_output.dim()))).to(mean.dtype)
+        return zeros, zeros
+    if input.is_cuda:
+        # The CUDA kernels torch.nn.SyncBatchNorm uses (the CUDA inference-mode backward wants saved statistics).
+        invstd = torch.rsqrt(var + eps)
+        if _rounds_each_product(input):
+            grad_output, input = grad_output.float(), input.float()
+        sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
+            grad_output, input, mean, invstd, _as_stat(weight, mean), True, False, False
+        )
+        return sum_dy, sum_dy_xmu * invstd
+    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        grad_output, input, _as_stat(weight, mean), mean, var, None, None, False, eps, [False, True, True]
+    )
+    return sum_dy, sum_dy_xhat
+
+
+def _rounds_each_product(input: Tensor) -> bool:
+    """Whether torch's CUDA ``batch_norm_backward_reduce`` would round each ``dy * (x - mean)`` to the input dtype
+    before summing: its kernel for (N, C, *) layouts does so for float16/bfloat16 (sums 2e-3 to 4e-3 relative off
+    for bfloat16, 7e-4 for float16, on an H200 with torch 2.11; 1e-7 on float32 copies); its channels-last and 2-D
+    kernel accumulates in float32."""
+    channels_last_kernel = input.dim() == 2 or input.is_contiguous(memory_format=torch.channels_last)
+    return input.dtype in (torch.float16, torch.bfloat16) and not channels_last_kernel
+
+
+def _grad_input(
+    grad_output: Tensor,
+    input: Tensor,
+    weight: Optional[Tensor],
+    mean: Tensor,
+    var: Tensor,
+    count: Tensor,
+    reductions: Tensor,
+    eps: float,
+    clipped: Optional[Tensor],
+) -> Tensor:
+    """The exact global-batch ``grad_input`` of this shard (Ioffe & Szegedy 2015, arXiv:1502.03167).
+
+        grad_input = weight * invstd * (dy - sum(dy) / N - x_hat * sum(dy * x_hat) / N)
+
+    with the global count N and the global reductions. ``dy - sum(dy) / N - x_hat * sum(dy * x_hat) / N`` is
+    one native inference-mode batch norm of ``x`` subtracted from ``dy``, and the scaling by
+    ``weight * invstd`` is the native inference-mode backward.
+
+    Args:
+        grad_output: (N, C, *) ``dy``; input: (N, C, *); weight: (C,) or None.
+        mean, var: (C,) global statistics in the kernels' dtype (``var`` as :func:`_normalizing_var` gives it).
+        count: (1,) float64 global count; reductions: (2C,) float64 global ``[sum(dy), sum(dy * x_hat)]``.
+        clipped: (C,) bool, channels whose variance was clipped to eps ("clip" mode), or None.
+    """
+    if input.numel() == 0:
+        # Made from grad_output, not a constant, so that under torch.compile what follows stays in backward.
+        return torch.zeros_like(grad_output)
+    mean_dy, mean_dy_xhat = (reductions / count).to(mean.dtype).chunk(2)
+    if clipped is not None:
+        # A clipped channel's invstd does not depend on x: its x_hat term vanishes.
+        mean_dy_xhat = mean_dy_xhat.masked_fill(clipped, 0.0)
+    if input.is_cuda:
+        # torch.nn.SyncBatchNorm's CUDA kernel: it divides the sums by the total of the counts it is given.
+        invstd = torch.rsqrt(var + eps)
+        return torch.batch_norm_backward_elemt(
+            grad_output, input, mean, invstd, _as_stat(weight, mean), mean_dy, mean_dy_xhat / invstd,
+            torch.ones(1, dtype=torch.int32, device=input.device),
+        )
+    if _lean_regime(input):
+        # dy * scale - scale * (mean_dy + x_hat * mean_dy_xhat): one inference batch norm and one addcmul_.
+        scale = torch.rsqrt(var + eps)
+        if weight is not None:
+            scale = scale * weight.to(mean.dtype)
+        correction = _batch_norm_inference(input, mean_dy_xhat * -scale, mean_dy * -scale, mean, var, eps)
+        return correction.addcmul_(grad_output, scale.view([1, -1] + [1] * (input.dim() - 2)))
+    centred = grad_output - _batch_norm_inference(input, mean_dy_xhat, mean_dy, mean, var, eps)
+    weight = torch.ones_like(mean) if weight is None else weight.to(mean.dtype)
+    grad_input, _, _ = torch.ops.aten.native_batch_norm_backward(
+        centred, input, weight, mean, var, None, None, False, eps, [True, False, False]
+    )
+    return grad_input
+
+
+def _scaled_grad_and_reductions(
+    grad_output: Tensor, input: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``weight * invstd * dy`` in the input's dtype and memory format, with this shard's ``sum(dy)`` and
+    ``sum(dy * x_hat)`` (each (C,) in the statistics dtype): the native inference-mode backward."""
+    if input.numel() == 0:
+        sum_dy, sum_dy_xhat = _local_reductions(grad_output, input, weight, mean, var, eps)
+        return torch.empty_like(grad_output), sum_dy, sum_dy_xhat
+    if input.is_cuda:  # the CUDA kernels of torch.nn.SyncBatchNorm, with zero corrections for the scaled dy
+        sum_dy, sum_dy_xhat = _local_reductions(grad_output, input, weight, mean, var, eps)
+        zeros = torch.zeros_like(mean)
+        scaled = torch.batch_norm_backward_elemt(
+            grad_output, input, mean, torch.rsqrt(var + eps), _as_stat(weight, mean), zeros, zeros,
+            torch.ones(1, dtype=torch.int32, device=input.device),
+        )
+        return scaled, sum_dy, sum_dy_xhat
+    weight = torch.ones_like(mean) if weight is None else weight.to(mean.dtype)
+    scaled, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        grad_output, input, weight, mean, var, None, None, False, eps, [True, True, True]
+    )
+    return scaled, sum_dy, sum_dy_xhat
+
+
+def _batch_norm_inference(
+    input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, var: Tensor, eps: float
+) -> Tensor:
+    """``(input - mean) * rsqrt(var + eps) * weight + bias`` per channel: one native kernel, any memory format.
+
+    The aten op itself rather than ``F.batch_norm``, whose dispatch allocates a reserve buffer first.
+    """
+    if input.numel() == 0:  # the kernel would lay an empty output out contiguously; keep the input's format
+        return torch.empty_like(input)
+    return torch.ops.aten._native_batch_norm_legit_no_training(input, weight, bias, mean, var, 0.0, eps)[0]
+
+
+def _as_stat(param: Optional[Tensor], stat: Tensor) -> Optional[Tensor]:
+    """An affine parameter in the statistics' dtype: native kernels need them to match (C-sized cast)."""
+    return None if param is None else param.to(stat.dtype)
