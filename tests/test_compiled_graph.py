@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 import syncbn_dist
+from launch.bench.compiled_graph import inductor_counts
 from launch.bench.models import ResNet50
 from launch.bench.resnet50_step import force_sync
 from launch.common.spawn import run_distributed
@@ -198,22 +199,6 @@ def test_regions_traced_for_cuda_inputs_hold_no_batch_norm_op_and_the_cpu_graph(
         assert graph["_c10d_functional.all_reduce.default"] == 1, graph
 
 
-def _inductor_counts(model: nn.Module, x: Tensor) -> tuple[int, int]:
-    """Inductor's generated kernels and bytes accessed (``torch._inductor.metrics``) for one compiled training step
-    (forward and backward), compiled fresh (no FX graph or AOT autograd cache)."""
-    from torch._inductor import config, metrics
-
-    torch._dynamo.reset()
-    torch._logging.set_logs(inductor_metrics=True)  # inductor counts bytes only while this log is on
-    try:
-        with config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-            metrics.reset()
-            torch.compile(model)(x).sum().backward()
-            return metrics.generated_kernel_count, metrics.num_bytes_accessed
-    finally:
-        torch._logging.set_logs()
-
-
 def _resnet50_head_blocks() -> nn.Module:
     """The ResNet-50 topology's stem and its first four Bottlenecks (a whole stage, then a strided block with its
     projection shortcut): 15 BatchNorm2d at width 16, for 32x32 input."""
@@ -226,7 +211,7 @@ def _worker_inductor_counts(rank: int, world_size: int) -> dict[str, tuple[int, 
     x = torch.randn(8, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     plain = _resnet50_head_blocks()
     ours = force_sync(syncbn_dist.convert_model(copy.deepcopy(plain)))
-    return {"plain": _inductor_counts(plain, x), "syncbn_dist": _inductor_counts(ours, x)}
+    return {"plain": inductor_counts(plain, x), "syncbn_dist": inductor_counts(ours, x)}
 
 
 @pytest.mark.slow
@@ -234,8 +219,8 @@ def _worker_inductor_counts(rank: int, world_size: int) -> dict[str, tuple[int, 
 def test_compiled_bottlenecks_kernels_and_bytes_within_plain_batchnorms_budget() -> None:
     """C1: ResNet-50's first Bottlenecks (:func:`_resnet50_head_blocks`) converted, their sync forced over a
     one-member gloo group, compiled by inductor: a training step generates at most plain BatchNorm's kernels + 3 per
-    layer and accesses at most 1.05 x its bytes. The whole ResNet-50's figures are in docs/performance.md (the
-    bench's ``compiled_graph`` rows); the whole model takes a minute to compile twice here."""
+    layer and accesses at most 1.05 x its bytes. The whole ResNet-50's figures are docs/performance_compiled_graph.md
+    (``make bench``); the whole model takes a minute to compile twice here."""
     (counts,) = run_distributed(_worker_inductor_counts, 1, timeout=280)
     (plain_kernels, plain_bytes), (our_kernels, our_bytes) = counts["plain"], counts["syncbn_dist"]
     layers = sum(isinstance(m, nn.BatchNorm2d) for m in _resnet50_head_blocks().modules())
