@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from step_record import step_record
 from torch import Tensor, nn
 
 import syncbn_dist
@@ -80,17 +81,6 @@ def _batch(rank: int, step: int, size: int) -> tuple[Tensor, Tensor]:
     return torch.randn(size, C, 5, 5, generator=gen) * 2 + 1, torch.randn(size, C, generator=gen)
 
 
-def _step(model: nn.Module, forward: Any, x: Tensor, dy: Tensor) -> dict[str, Tensor]:
-    model.zero_grad(set_to_none=True)
-    x = x.clone().requires_grad_()
-    y = forward(x)
-    y.backward(dy)
-    record = {"y": y.detach(), "dx": x.grad}
-    record.update({f"grad {n}": p.grad for n, p in model.named_parameters()})
-    record.update({n: b.clone() for n, b in model.named_buffers()})
-    return record
-
-
 def _gloo_all_reduces(run: Any) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         run()
@@ -116,13 +106,13 @@ def _worker_graph(rank: int, world_size: int) -> dict[str, Any]:
     result["steps"] = []
     for step, per_rank in enumerate(sizes):
         x, dy = _batch(rank, step, per_rank[rank])
-        result["steps"].append((_step(compiled_model, compiled, x, dy), _step(eager, eager, x, dy)))
+        result["steps"].append((step_record(compiled_model, compiled, x, dy), step_record(eager, eager, x, dy)))
     x, dy = _batch(rank, 1, sizes[1][rank])
-    result["collectives"] = _gloo_all_reduces(lambda: _step(compiled_model, compiled, x, dy))
+    result["collectives"] = _gloo_all_reduces(lambda: step_record(compiled_model, compiled, x, dy))
 
     profiler = cProfile.Profile()
     profiler.enable()
-    _step(compiled_model, compiled, x, dy)
+    step_record(compiled_model, compiled, x, dy)
     profiler.disable()
     frames = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     result["frames"] = {

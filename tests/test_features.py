@@ -28,12 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from closeness import assert_close
+from step_record import step_record
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 import syncbn_dist
+from launch.common.counting import CollectiveCounter
 from launch.common.spawn import run_distributed
 from syncbn_dist import DataParallelWithCallback, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
 from syncbn_dist.comm import DistributedTransport
@@ -749,13 +751,7 @@ def _compile_steps(
     steps = []
     for i, (x, grad_output) in enumerate(batches):
         model.train(i < len(batches) - 1)
-        model.zero_grad(set_to_none=True)
-        x = x.clone().requires_grad_()
-        y = forward(x)
-        y.backward(grad_output)
-        step = {"y": y.detach(), "dx": x.grad}
-        step.update({f"grad {n}": p.grad for n, p in model.named_parameters()})
-        step.update({n: b.clone() for n, b in model.named_buffers()})
+        step: dict[str, Any] = step_record(model, forward, x, grad_output)
         step["transports"] = [m.last_transport for m in model.modules() if isinstance(m, syncbn_dist.SyncBatchNorm)]
         steps.append(step)
     return steps
@@ -826,27 +822,6 @@ def test_compile_eval_mode_has_no_graph_break() -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-class _PayloadLog:
-    """Wraps ``torch.distributed.all_reduce`` to record (dtype, numel) of every call; observation only."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, int]] = []
-        self._original = dist.all_reduce
-
-    def __enter__(self) -> _PayloadLog:
-        original = self._original
-
-        def recording(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.calls.append((str(tensor.dtype), tensor.numel()))
-            return original(tensor, *args, **kwargs)
-
-        dist.all_reduce = recording
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        dist.all_reduce = self._original
-
-
 def _large_count_check(rank: int, world_size: int) -> dict[str, Any]:
     """Both ranks hold more than 2^24 float16 values of one channel; the combined count must be exact."""
     n = 2**24 + 3 + rank
@@ -914,10 +889,12 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     for precision in PRECISIONS:
         model = _conv_bn(precision)
         batches = _shard_batches(rank, DIST_SPLITS, 2, (5, 4))
-        with _PayloadLog() as log:
+        with CollectiveCounter() as log:
             record = _mixed_precision_steps(precision, model, model, batches)
         out["mixed"][precision] = _wire(record)
-        out["payloads"][precision] = log.calls
+        # Not the first call's agreement check, whose record is uint8 (syncbn_dist.comm.agreement).
+        calls = [call for call in log.calls if call["dtype"] != "uint8"]
+        out["payloads"][precision] = [(call["dtype"], call["bytes"] // 8) for call in calls]
     for ndim, (_, tail) in MEMORY_FORMAT_CASES.items():
         watched = _watched_bn(ndim)
         batches = _shard_batches(rank, [(3, 2), (4, 1)], C, tail)  # N == 1 on rank 1: degenerate strides
@@ -951,15 +928,13 @@ def test_distributed_features(kernel_mode: str) -> None:
     for precision in PRECISIONS:
         _check_mixed_precision(precision, [r["mixed"][precision] for r in results], "distributed")
         # Every rank, the empty one included, sends the same payloads: float64 [count, sum(C), sumsq(C)]
-        # forward, float64 [sum(dy), sum(dy * x_hat)] backward, one all_reduce each per step.
-        # The compiled kernels' collective is torch's functional all_reduce inside the compiled region, which the
-        # Python wrapper cannot see. Ranks sending different collectives would hang or leave wrong statistics, and
-        # the steps above equal the reference with the empty rank on the native path and the other compiled.
-        if kernel_mode == "native":
-            payloads = [r["payloads"][precision] for r in results]
-            assert payloads[0] == payloads[1], f"{precision}: payloads differ across ranks: {payloads}"
-            expected = [("torch.float64", 1 + 2 * C), ("torch.float64", 2 * C)] * len(DIST_SPLITS)
-            assert payloads[0] == expected, payloads
+        # forward, float64 [sum(dy), sum(dy * x_hat)] backward, one all_reduce each per step, on either kernel set
+        # (the compiled regions' functional all_reduce is counted too). Ranks sending different collectives would
+        # hang or leave wrong statistics.
+        payloads = [r["payloads"][precision] for r in results]
+        assert payloads[0] == payloads[1], f"{precision}: payloads differ across ranks: {payloads}"
+        expected = [("float64", 1 + 2 * C), ("float64", 2 * C)] * len(DIST_SPLITS)
+        assert payloads[0] == expected, payloads
     for ndim in MEMORY_FORMAT_CASES:
         _check_memory_format(ndim, [r["memory_format"][ndim] for r in results], "distributed")
     for momentum in (0.1, None):

@@ -27,6 +27,7 @@ stand-in for its time on a GPU (and on CPU for any real activation size).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 from typing import Any, Callable, Optional
@@ -157,6 +158,14 @@ def count_layer(
     return ops, traffic
 
 
+# The record_function range the counter opens for each phase, and the functional collectives it finds in the profile.
+_PHASE_RANGE = "CollectiveCounter.phase."
+_CALL_MARK = "CollectiveCounter.call."
+_FUNCTIONAL_ALL_REDUCES = ("_c10d_functional::all_reduce", "_c10d_functional::all_reduce_")
+# The profiler's dtype names: the counter's name and the element size in bytes.
+_PROFILER_DTYPES = {"double": ("float64", 8), "float": ("float32", 4), "c10::BFloat16": ("bfloat16", 2),
+                    "c10::Half": ("float16", 2)}
+
 # Collectives whose calls the counter records. DDP's gradient buckets are reduced from C++ and are not seen.
 _COUNTED = (
     "all_reduce",
@@ -196,19 +205,68 @@ class CollectiveCounter:
     on :attr:`phase` (e.g. "forward", "backward"), ``bytes`` the payload sent by this rank, ``group`` "world"
     for the default group or "other". Wrapping is observation only: the real collective runs unchanged.
     A process group's own ``allreduce`` called from Python (syncbn_dist's eager layers: ``group.allreduce``) is
-    recorded as ``all_reduce`` too, once (``dist.all_reduce`` calls it inside), and so are torch's functional
-    ``all_reduce`` and ``all_reduce_`` called from Python (compiled graphs' wrappers, eager code: syncbn_dist's
-    layers under ``torch.compile``). Code that bound a collective by name at import time (``from
-    torch.distributed import all_reduce``) or calls it from C++ (DDP's gradient buckets) is not seen.
+    recorded as ``all_reduce`` too, once (``dist.all_reduce`` calls it inside). torch's functional ``all_reduce``
+    (the collective of compiled graphs: syncbn_dist's layers under ``torch.compile`` and its compiled kernels) has
+    no Python to wrap: a profiler running while the counter is active records those, with the phase whose
+    ``record_function`` range encloses them and the group ``"in-graph"`` (the profiler does not record the group
+    name). Code that bound a collective by name at import time (``from torch.distributed import all_reduce``) or
+    calls one from C++ outside the functional ops (DDP's gradient buckets) is not seen.
     """
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
-        self.phase = "forward"
+        self._phase = "forward"
+        self._phase_range: Optional[Any] = None
+        self._profiler: Optional[torch.profiler.profile] = None
         self._originals: dict[str, Callable[..., Any]] = {}
         self._depth = threading.local()  # inside a counted torch.distributed call: its group.allreduce is not new
 
+    @property
+    def phase(self) -> str:
+        """What the caller is running (e.g. "forward", "backward"): recorded with each collective."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        if self._profiler is not None:
+            self._enter_phase_range()
+
+    def _enter_phase_range(self) -> None:
+        if self._phase_range is not None:
+            self._phase_range.__exit__(None, None, None)
+        self._phase_range = torch.profiler.record_function(_PHASE_RANGE + self._phase)
+        self._phase_range.__enter__()
+
+    def _add_functional_collectives(self, events: Any) -> None:
+        """Add the functional all_reduces among the profiler's ``events``, each with its phase, and put every
+        record in the order the profiler saw them (a Python-wrapped call left a mark, :meth:`_record`)."""
+        ranges = [(e.time_range, e.name[len(_PHASE_RANGE) :]) for e in events if e.name.startswith(_PHASE_RANGE)]
+        marks = {int(e.name[len(_CALL_MARK) :]): e.time_range.start for e in events if e.name.startswith(_CALL_MARK)}
+        timed = [(marks.get(index, 0.0), call) for index, call in enumerate(self.calls)]
+        # A functional all_reduce that ran sends its process group's c10d op inside it (the out-of-place one through
+        # the in-place one: the innermost counts); one traced by a compilation (fake tensors) sends nothing.
+        functional = [e for e in events if e.name in _FUNCTIONAL_ALL_REDUCES]
+        sent = {}
+        for c10d in (e for e in events if e.name == "c10d::allreduce_"):
+            t = c10d.time_range.start
+            enclosing = [e for e in functional if e.time_range.start <= t <= e.time_range.end]
+            if enclosing:
+                innermost = max(enclosing, key=lambda e: e.time_range.start)
+                sent[id(innermost)] = innermost
+        for event in sent.values():
+            start = event.time_range.start
+            phase = next((name for span, name in ranges if span.start <= start <= span.end), self._phase)
+            numel = math.prod(event.input_shapes[0])
+            dtype, size = _PROFILER_DTYPES.get(event.input_dtypes[0], (event.input_dtypes[0], 0))
+            call = {"op": "all_reduce", "phase": phase, "bytes": numel * size, "dtype": dtype, "group": "in-graph"}
+            timed.append((start, call))
+        self.calls = [call for _, call in sorted(timed, key=lambda item: item[0])]
+
     def _record(self, name: str, sent: Any, sent_bytes: int, group: Optional[Any]) -> None:
+        if self._profiler is not None:  # a mark that times the call, to order it among the functional ones
+            with torch.profiler.record_function(_CALL_MARK + str(len(self.calls))):
+                pass
         self.calls.append(
             {
                 "op": name,
@@ -240,15 +298,6 @@ class CollectiveCounter:
 
         return counted
 
-    def _wrap_functional_all_reduce(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(tensor: Tensor, reduce_op: str, group_name: str) -> Any:
-            world = dist.group.WORLD
-            group = world if world is not None and group_name == world.group_name else "other"
-            self._record("all_reduce", tensor, tensor.numel() * tensor.element_size(), group)
-            return original(tensor, reduce_op, group_name)
-
-        return counted
-
     def __enter__(self) -> CollectiveCounter:
         for name in _COUNTED:
             if hasattr(dist, name):
@@ -258,10 +307,9 @@ class CollectiveCounter:
         # no longer binds the group.
         self._group_all_reduce = dist.ProcessGroup.__dict__["allreduce"]
         dist.ProcessGroup.allreduce = self._wrap_group_all_reduce(dist.ProcessGroup.allreduce)
-        functional = torch.ops._c10d_functional
-        self._functional = {name: getattr(functional, name).default for name in ("all_reduce", "all_reduce_")}
-        for name, original in self._functional.items():
-            getattr(functional, name).default = self._wrap_functional_all_reduce(original)
+        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+        self._profiler.__enter__()
+        self._enter_phase_range()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -269,5 +317,9 @@ class CollectiveCounter:
             setattr(dist, name, original)
         self._originals.clear()
         dist.ProcessGroup.allreduce = self._group_all_reduce
-        for name, original in self._functional.items():
-            getattr(torch.ops._c10d_functional, name).default = original
+        profiler, self._profiler = self._profiler, None
+        assert profiler is not None and self._phase_range is not None
+        self._phase_range.__exit__(None, None, None)
+        self._phase_range = None
+        profiler.__exit__(None, None, None)
+        self._add_functional_collectives(profiler.events())
