@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Function
 
+from ..tracing import is_compiling
 from .agreement import verify_group_agreement
 
 __all__ = [
@@ -122,8 +123,11 @@ class DistributedTransport:
         Called by the native kernels inside the synchronized batch-norm autograd Function, forward and backward, in
         eager mode (graphs hold :func:`all_reduce_sum`). It is the process group's own ``allreduce`` (one
         ``c10d.allreduce_``), without ``torch.distributed.all_reduce``'s per-call Python checks: the payload is
-        always one dense tensor, reduced with SUM (the default options).
+        always one dense tensor, reduced with SUM (the default options). Traced by ``torch.compile``, it is
+        :func:`all_reduce_sum` (Dynamo cannot trace a process group's methods).
         """
+        if is_compiling():
+            return all_reduce_sum(tensor, self.group_name)
         group = dist.group.WORLD if self.process_group is None else self.process_group
         group.allreduce([tensor]).wait()
         return tensor
