@@ -7,6 +7,11 @@
 #
 #   make bench-gpu GPU_PY=python3                   # writes outputs/bench_gpu/ (docs/performance_cuda.md: a copy)
 #   bash launch/bench/gpu.sh python3 /tmp/out       # a GPU machine whose python3 has torch (and omegaconf, tqdm)
+#   GPU_STAGES="tests step" bash launch/bench/gpu.sh python3 /tmp/out   # some stages only
+#
+# All stages take longer than one 10-minute device call: GPU_STAGES (default: all of them, in this order) picks
+# some of tests (test_gpu.py), micro (the one-layer benchmark), step (the ResNet-50 step), kernels (device time)
+# and other (the other files' gpu tests on both kernel sets).
 #
 # From the repository root. Extra arguments go to launch.bench.run as KEY=VALUE overrides. Exits 1 if any step failed.
 set -uo pipefail
@@ -17,19 +22,28 @@ mkdir -p "$OUT_DIR"
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))' \
     || exit 1
 status=0
+STAGES=" ${GPU_STAGES:-tests micro step kernels other} "
+stage() { [[ "$STAGES" == *" $1 "* ]]; }
 # test_gpu.py runs both kernel sets itself (exactness on every layout, K3 on Triton).
-"$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT_DIR/pytest_gpu.log" || status=1
+if stage tests; then
+    "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT_DIR/pytest_gpu.log" || status=1
+fi
 # The microbenchmark alone (the scenarios need a GPU per rank), with one layer larger than the L2 beside make bench's.
-"$PY" -m launch.bench.run --config configs/bench.yaml 'scenarios=[]' device=cuda readme=null plot=false \
-    output_dir="$OUT_DIR" 'micro.shapes=[[32,64,28,28],[8,256,14,14],[256,512],[64,256,56,56]]' "$@" 2>&1 \
-    | tee "$OUT_DIR/bench.log" || status=1
+if stage micro; then
+    "$PY" -m launch.bench.run --config configs/bench.yaml 'scenarios=[]' device=cuda readme=null plot=false \
+        output_dir="$OUT_DIR" 'micro.shapes=[[32,64,28,28],[8,256,14,14],[256,512],[64,256,56,56]]' "$@" 2>&1 \
+        | tee "$OUT_DIR/bench.log" || status=1
+fi
 # The ResNet-50 step (ResNet-50, batch 64, 224x224, channels_last, bf16 autocast and float32, eager, torch.compile and
 # reduce-overhead): its report, markdown then JSON, is one file; its table also goes to bench.log. Inductor compiles
 # the model four times (minutes): past 480 s, SIGABRT makes the faulthandler print every thread's stack into the log.
-timeout -s ABRT 480 "$PY" -X faulthandler -m launch.bench.resnet50_step device=cuda \
-    output="$OUT_DIR/resnet50_step.md" 2>&1 | tee -a "$OUT_DIR/bench.log" || status=1
+if stage step; then
+    timeout -s ABRT 480 "$PY" -X faulthandler -m launch.bench.resnet50_step device=cuda \
+        output="$OUT_DIR/resnet50_step.md" 2>&1 | tee -a "$OUT_DIR/bench.log" || status=1
+fi
 # The kernels' device time beside torch's, at a layer in L2 and one larger than it.
 for args in "" "shape=[64,256,56,56] memory_format=channels_last"; do
+    stage kernels || break
     # shellcheck disable=SC2086  # $args: zero or more KEY=VALUE words
     "$PY" -m launch.bench.kernel_profile device=cuda $args 2>&1 | tee -a "$OUT_DIR/kernel_profile.log" || status=1
 done
@@ -38,6 +52,7 @@ done
 # On one H100 (torch 2.11) the compiled pass, run under pytest-xdist, finished its tests and then did not exit: here
 # each pass gets 300 s, and SIGABRT then makes pytest's faulthandler print every thread's stack into the log.
 for kernels in native compiled; do
+    stage other || break
     SYNCBN_DIST_KERNELS=$kernels timeout -s ABRT 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
         tests/test_batchnorm.py tests/test_features.py tests/test_classic_api.py tests/test_replicate.py \
         tests/test_bench.py 2>&1 \
