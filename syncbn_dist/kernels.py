@@ -17,10 +17,11 @@ layer is one compiled call per direction; other transports (the DataParallel exc
 own exchange in between. docs/design.md, "Compiled kernels", has the design and what inductor needed.
 
 The switch is :func:`set_kernels` (or the environment variable ``SYNCBN_DIST_KERNELS``): ``"native"`` keeps the
-native-op path of :mod:`syncbn_dist.functions`, ``"compiled"`` uses these kernels, ``"auto"`` (the default) uses
+native-op path (:mod:`syncbn_dist.native`), ``"compiled"`` uses these kernels, ``"auto"`` (the default) uses
 them for CPU tensors where inductor finds a C++ compiler (otherwise it warns once and keeps the native path) and
-the native path on CUDA, where it measured faster. Under a user's own
-``torch.compile`` the layer's ops are traced into the user's graph as before, whatever the switch says.
+the native path on CUDA, where it measured faster. Under a user's own ``torch.compile`` this source is what the
+layer traces into the user's graph (:func:`layer_forward`, :func:`layer_backward`), on every device and whatever the
+switch says, so that inductor fuses it with the layers around it; docs/compile.md.
 
 Exactness: the shard sums are taken about the shard's first value per channel (a shift that removes a large mean
 before squaring, then added back in float64, as :func:`syncbn_dist.statistics._copy_free_payload` does), and every
