@@ -225,6 +225,10 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, str
         for an ``nn.DataParallel``, a :class:`DataParallelWithCallback` around the converted module with
         the same device_ids, output_device and dim.
 
+    Warns:
+        UserWarning: for an ``nn.DataParallel`` that found no GPU (one replica, nothing to synchronize with),
+            pointing to ``DataParallelWithCallback(..., cpu_replicas=N)``.
+
     Raises:
         TypeError: if ``module`` is already wrapped in DistributedDataParallel (convert before wrapping); with
             ``strict=True``, if any layer is an unknown BatchNorm subclass: the message names every such layer's
@@ -236,13 +240,23 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, str
             "DistributedDataParallel so that DDP sees the final parameters"
         )
     if isinstance(module, nn.DataParallel):
+        cpu_replicas = getattr(module, "cpu_replicas", None)
+        if not module.device_ids and cpu_replicas is None:
+            # nn.DataParallel drops the device_ids it was given where it finds no GPU, and runs one replica.
+            warnings.warn(
+                "convert_model: this nn.DataParallel found no GPU, so it runs its module as one replica and the "
+                "synchronized layers have no peer (last_transport 'local'). To run replicas on the CPU, wrap the "
+                "converted module in syncbn_dist.DataParallelWithCallback(module, cpu_replicas=N)",
+                UserWarning,
+                stacklevel=2,
+            )
         inner = convert_model(module.module, process_group, strict=strict)
         return DataParallelWithCallback(
             inner,
             device_ids=module.device_ids or None,
             output_device=getattr(module, "output_device", None) if module.device_ids else None,
             dim=getattr(module, "dim", 0),
-            cpu_replicas=getattr(module, "cpu_replicas", None),
+            cpu_replicas=cpu_replicas,
         )
 
     lazy = [

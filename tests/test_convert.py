@@ -216,7 +216,11 @@ def test_convert_data_parallel() -> None:
     module = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3))
     dp = nn.DataParallel(module)
     dp.dim = 1  # on a CPU-only machine nn.DataParallel sets no dim; a CUDA one would have it
-    converted = convert_model(dp)
+    if torch.cuda.is_available():
+        converted = convert_model(dp)
+    else:  # one replica, nothing to synchronize with: the warning points to cpu_replicas
+        with pytest.warns(UserWarning, match=r"found no GPU.*cpu_replicas=N"):
+            converted = convert_model(dp)
     assert type(converted) is DataParallelWithCallback
     assert converted.module is module and type(module[1]) is SynchronizedBatchNorm2d
     assert converted.dim == 1
@@ -225,7 +229,9 @@ def test_convert_data_parallel() -> None:
         assert converted.device_ids == []
 
     threaded = DataParallelWithCallback(nn.Sequential(nn.BatchNorm1d(2)), cpu_replicas=2)
-    again = convert_model(threaded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # replicas in threads: nothing to warn about
+        again = convert_model(threaded)
     assert type(again) is DataParallelWithCallback and again.cpu_replicas == 2
     assert type(again.module[0]) is SynchronizedBatchNorm1d
 
