@@ -12,6 +12,7 @@ from .batchnorm import (
 )
 from .comm import LayerMismatchError, ReplicaSyncError, is_debug_enabled, new_sync_groups, set_debug
 from .convert import convert_model, revert_model
+from .join import SyncBatchNormJoinable, join_layers
 from .kernels import get_kernels, set_kernels
 from .registry import register_conversion
 from .replicate import DataParallelWithCallback, execute_replication_callbacks, patch_replication_callback
@@ -32,12 +33,14 @@ __all__ = [
     "SyncBatchNorm",
     "SynchronizedBatchNorm1d",
     "SynchronizedBatchNorm2d",
+    "SyncBatchNormJoinable",
     "SynchronizedBatchNorm3d",
     "convert_model",
     "execute_replication_callbacks",
     "get_kernels",
     "is_debug_enabled",
     "is_torch_sync_batchnorm_patched",
+    "join_layers",
     "new_sync_groups",
     "patch_replication_callback",
     "patch_sync_batchnorm",

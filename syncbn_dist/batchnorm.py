@@ -22,6 +22,7 @@ from .comm import (
     new_sync_master,
 )
 from .comm.agreement import verify_agreement_while_tracing
+from .comm.join import JoinBinding, JoinTransport
 from .functions import Transport, sync_batch_norm
 from .tracing import eager_replica_thread, is_compiling
 
@@ -143,6 +144,9 @@ class SyncBatchNorm(_BatchNorm):
         'local'
     """
 
+    # Set by syncbn_dist.join_layers: the layer's transport inside a Join context (a class default, so that layers
+    # unpickled from older versions have it too).
+    _join_binding: Optional[JoinBinding] = None
     # Seconds a DataParallel replica waits for its peers at this layer before raising ReplicaSyncError.
     replica_timeout: Optional[float] = DEFAULT_REPLICA_TIMEOUT
     # "plus", "clip" ("clamp"), or None for the process-wide default of set_sbn_eps_mode.
@@ -211,6 +215,9 @@ class SyncBatchNorm(_BatchNorm):
         if not self.training:
             return None
         inner = distributed_transport(self.process_group)
+        binding = self._join_binding
+        if inner is not None and binding is not None and binding.active:  # inside Join (syncbn_dist.join_layers)
+            inner = binding.transport
         exchange = self._replica_exchange
         if exchange is not None and (isinstance(exchange, SlavePipe) or exchange.nr_slaves > 0):
             return DataParallelTransport(exchange, inner)
@@ -265,7 +272,7 @@ class SyncBatchNorm(_BatchNorm):
             return self._recompute_forward(input, transport)
         if transport is None:
             return super().forward(input)
-        if self._replica_exchange is not None or is_debug_enabled():
+        if self._replica_exchange is not None or is_debug_enabled() or isinstance(transport, JoinTransport):
             return self._eager_sync_forward(input, transport)
         return self._sync_forward(input, transport)
 
@@ -291,6 +298,8 @@ class SyncBatchNorm(_BatchNorm):
         if track:
             self.num_batches_tracked.add_(1)
             momentum = self._momentum_factor()
+            if isinstance(transport, (JoinTransport, DataParallelTransport)) and self._join_binding is not None:
+                self._join_binding.transport.expect_tracked_forward()  # joined ranks update their buffers too
         if self._replica_exchange is not None:
             transport = _Recording(transport, self._replay_stash)
         return sync_batch_norm(

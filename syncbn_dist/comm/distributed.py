@@ -36,7 +36,7 @@ def _unflatten(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
 
 
 class _AllReduceCoalesced(Function):
-    """Sum tensors over a process group with one ``all_reduce``; backward does the same for the gradients.
+    """Sum tensors with one call of ``reducer.sum_`` (one ``all_reduce``); backward does the same for the gradients.
 
     The adjoint of a sum-all_reduce is a sum-all_reduce of the gradients. Only the gradients of inputs that
     require grad are sent, so the backward payload is as small as it can be (every rank agrees on which
@@ -45,25 +45,22 @@ class _AllReduceCoalesced(Function):
     """
 
     @staticmethod
-    def forward(group: Any, *tensors: Tensor) -> tuple[Tensor, ...]:
-        flat = _flatten(tensors)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        return tuple(_unflatten(flat, tensors))
+    def forward(reducer: Any, *tensors: Tensor) -> tuple[Tensor, ...]:
+        return tuple(_unflatten(reducer.sum_(_flatten(tensors)), tensors))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.group = inputs[0]  # setup_context rather than ctx in forward: the torch.func transforms can run it
+        ctx.reducer = inputs[0]  # setup_context rather than ctx in forward: the torch.func transforms can run it
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
         needed = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
         result: list[Optional[Tensor]] = [None] * len(grads)
         if needed and torch.is_grad_enabled():
-            for i, total in zip(needed, _AllReduceCoalesced.apply(ctx.group, *(grads[i] for i in needed))):
+            for i, total in zip(needed, _AllReduceCoalesced.apply(ctx.reducer, *(grads[i] for i in needed))):
                 result[i] = total
         elif needed:
-            flat = _flatten([grads[i] for i in needed]).contiguous()
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)
+            flat = ctx.reducer.sum_(_flatten([grads[i] for i in needed]).contiguous())
             for i, chunk in zip(needed, _unflatten(flat, [grads[i] for i in needed])):
                 result[i] = chunk
         return (None, *result)
@@ -114,8 +111,16 @@ class DistributedTransport:
         """The group's name, by which functional collectives reach it (:func:`all_reduce_sum`)."""
         return (dist.group.WORLD if self.process_group is None else self.process_group).group_name
 
-    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        return list(_AllReduceCoalesced.apply(self.process_group, *tensors))
+    def all_reduce(self, tensors: Sequence[Tensor], reducer: Optional[Any] = None) -> list[Tensor]:
+        """Sum ``tensors`` over the group with one ``all_reduce``, differentiably (backward sums the gradients).
+
+        Args:
+            tensors: tensors of one dtype, any shapes.
+            reducer: what sums the flattened tensors, forward and backward (an object with this class's ``sum_``;
+                None: this transport). :class:`syncbn_dist.comm.join.JoinTransport` passes itself, to announce each
+                collective to the ranks that have joined.
+        """
+        return list(_AllReduceCoalesced.apply(self if reducer is None else reducer, *tensors))
 
     def sum_(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` over the group in place with one ``all_reduce`` and return it (not differentiable).

@@ -1,0 +1,257 @@
+"""Collectives for ranks that have run out of inputs: the protocol behind :func:`syncbn_dist.join_layers`.
+
+Under ``torch.distributed.algorithms.Join`` a rank that has run out of batches leaves the training loop while the
+others go on. Every synchronized layer's collective then needs a partner on that rank. A :class:`JoinSession`
+gives it one: the joined rank runs a *listener* thread that answers each of the active ranks' collectives with an
+empty shard's payload (zeros: count 0), so the statistics cover exactly the ranks that still have data.
+
+The listener learns what to answer from the active ranks, one collective at a time, instead of replaying a record
+of an earlier step: before each payload the active ranks all-reduce a small *control* vector. Joined ranks add
+zeros to it, so its sums say how many ranks are active and what they send:
+``[active, kind, kind², layer, layer², numel, numel², dtype, dtype²]``. The active ranks agree on a field exactly
+when ``active * sum(f²) == sum(f)²`` (the values of equal integers; checked identically on every rank from the
+same sums), and then ``sum(f) / active`` is the shared value. So a model whose layer sequence changes from step to
+step is served exactly, and active ranks at different layers raise :class:`LayerMismatchError` on every rank.
+
+Controls cost one small collective per layer collective, so they run only while a peer has joined: each training
+forward of the model starts with a *header* (a control of kind ``HEADER``) that counts the active ranks, and the
+layers of that forward and its backward send controls only if the count is below the group's size. The listener
+stops when a control finds no active rank: every rank has joined.
+
+All of it runs on a process group of its own (a copy of the layers' group): the joined rank's main thread runs the
+other joinables' shadows (DistributedDataParallel's gradient all-reduces) on the user's group at the same time, in
+an order the listener cannot follow. docs/design.md, "Uneven inputs under Join".
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .agreement import LayerMismatchError
+from .distributed import DistributedTransport
+
+__all__ = ["JoinBinding", "JoinSession", "JoinTransport"]
+
+# Control kinds: the start of a forward, a collective, and the forward collective of a layer that then updates its
+# running statistics (the joined ranks update theirs from the same total).
+_HEADER, _COLLECTIVE, _TRACKED_FORWARD = 1.0, 2.0, 3.0
+# The dtypes a payload can have, by code (the index + 1): the synchronized layers send float64.
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_CONTROL_SIZE = 9
+
+
+def _control(active: float, kind: float, layer: int, numel: int, dtype_code: int, device: torch.device) -> Tensor:
+    values = [active]
+    for value in (kind, layer, numel, dtype_code):
+        values += [value * active, value * value * active]
+    return torch.tensor(values, dtype=torch.float64, device=device)
+
+
+class _Announcement:
+    """What the active ranks of one control sent, or why they disagree (the summed control, read on the host)."""
+
+    def __init__(self, total: Tensor) -> None:
+        values = total.tolist()
+        self.active = round(values[0])
+        self.fields: list[int] = []
+        self.agree = True
+        for i in range(1, _CONTROL_SIZE, 2):
+            total_value, total_square = values[i], values[i + 1]
+            if self.active and self.active * total_square != total_value * total_value:
+                self.agree = False
+            self.fields.append(round(total_value / self.active) if self.active else 0)
+
+    @property
+    def kind(self) -> int:
+        return self.fields[0]
+
+    @property
+    def layer(self) -> int:
+        return self.fields[1]
+
+    @property
+    def numel(self) -> int:
+        return self.fields[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.fields[3] - 1]
+
+
+class JoinSession:
+    """The state of one group's synchronized layers inside one ``Join`` context, on this rank.
+
+    Args:
+        process_group: the group the layers' collectives run on under ``Join``: a copy of their own group, used by
+            nothing else (see the module docstring).
+        device: where controls and an empty shard's payloads live (the layers' device: CPU for gloo, the current
+            CUDA device for nccl).
+        on_forward_total: called by the listener with ``(layer, total)`` for every summed forward payload
+            ``[sum (C), sum of squares (C), count]`` it answered whose layer updated its running statistics, so that
+            a joined rank keeps its own in step (``layer`` is the code the layer's :class:`JoinTransport` was given).
+    """
+
+    def __init__(
+        self, process_group: Any, device: torch.device, on_forward_total: Callable[[int, Tensor], None]
+    ) -> None:
+        self.transport = DistributedTransport(process_group)
+        self.size = torch.distributed.get_world_size(process_group)
+        self.device = device
+        self.on_forward_total = on_forward_total
+        self.peers_joined = False
+        self._listener: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    @property
+    def process_group(self) -> Any:
+        return self.transport.process_group
+
+    def reset(self) -> None:
+        """Forget the previous ``Join`` context's state (called when a new one is built, on every rank)."""
+        self.peers_joined = False
+        self._listener = None
+        self._error = None
+
+    def start_of_forward(self) -> None:
+        """The header of a training forward, on an active rank: counts the active ranks (one small collective).
+
+        Raises:
+            LayerMismatchError: if the active ranks are not all at the start of a forward.
+        """
+        announcement = self._exchange(_control(1.0, _HEADER, 0, 0, 0, self.device))
+        if not announcement.agree or announcement.kind != _HEADER:
+            raise LayerMismatchError(self._mismatch("at the start of a forward"))
+        self.peers_joined = announcement.active < self.size
+
+    def announce(self, layer: int, payload: Tensor, tracked_forward: bool = False) -> None:
+        """Before ``payload`` is summed on an active rank: tell the joined ranks what to answer, if any has joined.
+
+        Raises:
+            LayerMismatchError: on every rank, if the active ranks are not at the same layer with payloads of the
+                same size and dtype.
+        """
+        if not self.peers_joined:
+            return
+        dtype_code = _DTYPES.index(payload.dtype) + 1
+        kind = _TRACKED_FORWARD if tracked_forward else _COLLECTIVE
+        announcement = self._exchange(_control(1.0, kind, layer, payload.numel(), dtype_code, self.device))
+        if not announcement.agree:
+            raise LayerMismatchError(self._mismatch(f"at layer {layer} ({payload.numel()} values)"))
+
+    def start_listener(self) -> None:
+        """On a rank that has joined: answer the active ranks' collectives in a thread until every rank has joined."""
+        if self._listener is None:
+            self._listener = threading.Thread(target=self._listen, name="syncbn_dist-join-listener", daemon=True)
+            self._listener.start()
+
+    def finish(self) -> None:
+        """After every rank has joined: wait for the listener to stop and raise what it found, if anything.
+
+        Raises:
+            LayerMismatchError: if the active ranks disagreed while this rank listened.
+            RuntimeError: the process group's error if a collective of the listener failed or timed out.
+        """
+        if self._listener is not None:
+            self._listener.join()
+        self.raise_listener_error()
+
+    def raise_listener_error(self) -> None:
+        """Raise the error the listener met, if any (its traceback is the listener thread's)."""
+        if self._error is not None:
+            raise self._error
+
+    def _listen(self) -> None:
+        try:
+            while True:
+                announcement = self._exchange(_control(0.0, 0.0, 0, 0, 0, self.device))
+                if announcement.active == 0:
+                    return  # every rank has joined: the last control was all listeners
+                if not announcement.agree:
+                    raise LayerMismatchError(self._mismatch("while this rank had joined"))
+                if announcement.kind == _HEADER:
+                    continue
+                total = self.transport.sum_(torch.zeros(announcement.numel, dtype=announcement.dtype, device=self.device))
+                if announcement.kind == _TRACKED_FORWARD:
+                    self.on_forward_total(announcement.layer, total)
+        except BaseException as error:  # noqa: B036 - handed to the main thread by finish()
+            self._error = error
+
+    def _exchange(self, control: Tensor) -> _Announcement:
+        return _Announcement(self.transport.sum_(control))
+
+    def _mismatch(self, where: str) -> str:
+        return (
+            f"under Join, the ranks that still have inputs reached different synchronized layers {where}: every "
+            "active rank must run the same layers in the same order in each step (the joined ranks answer them)"
+        )
+
+
+class JoinTransport:
+    """The transport of one synchronized layer inside a ``Join`` context: announces, then sums on the session's group.
+
+    Args:
+        session: this layer's :class:`JoinSession`.
+        layer: the layer's code, the same on every rank (its position in the model, from 1).
+    """
+
+    name = "distributed"
+
+    def __init__(self, session: JoinSession, layer: int) -> None:
+        self.session = session
+        self.layer = layer
+        self.process_group = session.process_group
+        self._tracked_forward = False
+
+    def expect_tracked_forward(self) -> None:
+        """The layer's next collective is the forward payload of a call that updates its running statistics."""
+        self._tracked_forward = True
+
+    def sum_(self, tensor: Tensor) -> Tensor:
+        """:meth:`DistributedTransport.sum_` on the session's group, announced to the joined ranks."""
+        tracked_forward, self._tracked_forward = self._tracked_forward, False
+        self.session.announce(self.layer, tensor, tracked_forward)
+        return self.session.transport.sum_(tensor)
+
+    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """:meth:`DistributedTransport.all_reduce` (differentiable, one collective), announced in both directions."""
+        return self.session.transport.all_reduce(tensors, reducer=self)
+
+    def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None:
+        """The group's agreement check while every rank is active; the controls check each collective otherwise."""
+        if not self.session.peers_joined:
+            self.session.transport.verify_agreement(key, description, verified)
+
+
+class JoinBinding:
+    """A synchronized layer's link to the joinable it belongs to (``layer._join_binding``).
+
+    Copies of the layer (``copy.deepcopy``, pickling, ``torch.save`` of the model) drop it: a copy is not part of
+    the ``Join``. DataParallel replicas share it (their ``__dict__`` is copied shallowly), so the master replica's
+    collective over processes is announced like any other.
+
+    Args:
+        owner: the joinable; its ``active`` says whether a ``Join`` context is open.
+        transport: the layer's :class:`JoinTransport`.
+    """
+
+    def __init__(self, owner: Any, transport: JoinTransport) -> None:
+        self.owner = owner
+        self.transport = transport
+
+    @property
+    def active(self) -> bool:
+        return self.owner.active
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_unbound, ())
+
+
+def _unbound() -> None:
+    return None

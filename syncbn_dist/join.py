@@ -1,0 +1,241 @@
+"""join_layers: synchronized BatchNorm under ``torch.distributed.algorithms.Join``, for uneven inputs across ranks.
+
+Usage, on every rank::
+
+    ddp_model = DistributedDataParallel(syncbn_dist.convert_model(model))
+    with Join([ddp_model, syncbn_dist.join_layers(ddp_model)]):
+        for images, labels in loader:          # a different number of batches on each rank
+            criterion(ddp_model(images), labels).backward()
+            optimizer.step()
+
+Each step's statistics cover the ranks that still have batches, exactly: a rank that has run out answers every
+synchronized collective with an empty shard (count 0) until the last rank is done. The protocol is in
+:mod:`syncbn_dist.comm.join`; docs/training.md ("Uneven inputs") and docs/design.md ("Uneven inputs under Join").
+
+torch's ``Join`` is extended once, when :func:`join_layers` is first called, in two places (a ``Join`` without a
+joinable of this module is unchanged): a rank that joins starts its listeners before its first shadowing
+collective, whatever the order of the joinables; and when another joinable is listed (DistributedDataParallel),
+that one sends ``Join``'s per-step notification, which must come before its own collectives in the forward.
+"""
+
+from __future__ import annotations
+
+import functools
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.algorithms.join import Join, JoinHook, Joinable, _JoinConfig
+
+from .batchnorm import SyncBatchNorm
+from .comm.join import JoinBinding, JoinSession, JoinTransport
+from .functions import _update_running_stats
+from .statistics import global_statistics
+
+__all__ = ["SyncBatchNormJoinable", "join_layers"]
+
+# Copies of the layers' process groups, by their ranks: created once per process (creating a group is collective).
+_SESSION_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def join_layers(model: nn.Module, join_process_group: Optional[Any] = None) -> SyncBatchNormJoinable:
+    """The :class:`~torch.distributed.algorithms.Joinable` of ``model``'s synchronized layers, for ``Join``.
+
+    Call it on every rank, after ``convert_model`` (and after wrapping in DistributedDataParallel, if you like:
+    the wrapper or the module it wraps both work), and pass the result to ``Join`` beside the DDP model, in either
+    order. The first call for a model is collective (it creates one process group per group its layers synchronize
+    over); later calls return the same joinable.
+
+    Inside the ``Join``, every training forward of ``model`` starts with one small all-reduce (the active ranks'
+    count); while some rank has joined, each synchronized collective is preceded by another. Outside it nothing
+    changes. The layers run eagerly inside the ``Join`` (under ``torch.compile``, a graph break per layer).
+
+    Args:
+        model: a module holding :class:`syncbn_dist.SyncBatchNorm` layers (or the DistributedDataParallel wrapping
+            it); every rank passes the same architecture.
+        join_process_group: the group ``Join`` counts joined ranks over; it must be the DDP model's
+            ``process_group`` (None: the world group, DDP's default).
+
+    Returns:
+        The joinable (the same object for the same ``model``).
+
+    Raises:
+        RuntimeError: if ``torch.distributed`` is not initialized.
+        ValueError: if ``model`` holds no synchronized layer.
+    """
+    joinable = model.__dict__.get("_syncbn_dist_joinable")
+    if joinable is None:
+        joinable = SyncBatchNormJoinable(model, join_process_group)
+        model.__dict__["_syncbn_dist_joinable"] = joinable
+    return joinable
+
+
+class SyncBatchNormJoinable(Joinable):
+    """The synchronized layers of one model as a ``Joinable``; build it with :func:`join_layers`."""
+
+    def __init__(self, model: nn.Module, join_process_group: Optional[Any] = None) -> None:
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("join_layers needs an initialized default process group (init_process_group)")
+        self._layers = [m for m in model.modules() if isinstance(m, SyncBatchNorm)]
+        if not self._layers:
+            raise ValueError("join_layers: the model holds no syncbn_dist.SyncBatchNorm layer (run convert_model)")
+        self._process_group = dist.group.WORLD if join_process_group is None else join_process_group
+        self._device = _layers_device(self._layers, self._process_group)
+        self._sessions = self._bind_layers()
+        self._model = model
+        model.register_forward_pre_hook(self._start_of_forward)
+        _extend_torch_join()
+
+    def _bind_layers(self) -> list[JoinSession]:
+        """One session per distinct group of the layers, on a copy of that group; give each layer its transport."""
+        groups = {id(layer.process_group): layer.process_group for layer in self._layers}
+        copies = _session_groups([dist.group.WORLD if g is None else g for g in groups.values()], self._device)
+        sessions: dict[int, JoinSession] = {}
+        for key, group in groups.items():
+            ranks = tuple(dist.get_process_group_ranks(dist.group.WORLD if group is None else group))
+            if dist.get_rank() in ranks:
+                sessions[key] = JoinSession(copies[ranks], self._device, self._on_forward_total)
+        for code, layer in enumerate(self._layers, start=1):
+            session = sessions.get(id(layer.process_group))
+            if session is not None:
+                layer._join_binding = JoinBinding(self, JoinTransport(session, code))
+        return list({id(s): s for s in sessions.values()}.values())
+
+    @property
+    def active(self) -> bool:
+        """Whether a ``Join`` context with this joinable is open (its layers then use their join transports)."""
+        return self._join_config.enable
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        for session in self._sessions:
+            session.reset()
+        return _LayersJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._process_group
+
+    def _start_of_forward(self, module: nn.Module, args: Any) -> None:
+        # DataParallel replicas of the model share its hooks: the forward of the model itself counts, once.
+        if not self._join_config.enable or module is not self._model or not module.training:
+            return
+        if self._join_config.is_first_joinable:  # no other joinable sends Join's per-step notification
+            Join.notify_join_context(self)
+        for session in self._sessions:
+            session.start_of_forward()
+
+    def _start_listeners(self) -> None:
+        for session in self._sessions:
+            session.start_listener()
+
+    def _on_forward_total(self, code: int, total: Tensor) -> None:
+        """A joined rank's running statistics, updated from a forward's summed payload as the active ranks update
+        theirs (SyncBatchNorm._sync_forward and syncbn_dist.functions.sync_batch_norm): num_batches_tracked always,
+        the buffers if the global count is at least 2."""
+        layer = self._layers[code - 1]
+        if not (layer.track_running_stats and layer.running_mean is not None):
+            return
+        with torch.no_grad():
+            layer.num_batches_tracked.add_(1)
+            if total[-1].item() >= 2:
+                stats, _ = global_statistics(total)
+                _update_running_stats(
+                    layer.running_mean, layer.running_var, stats[0], stats[2], layer._momentum_factor()
+                )
+
+
+class _LayersJoinHook(JoinHook):
+    def __init__(self, joinable: SyncBatchNormJoinable) -> None:
+        self._joinable = joinable
+
+    def main_hook(self) -> None:
+        self._joinable._start_listeners()  # already started by Join.__exit__ (see _extend_torch_join)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        joinable = self._joinable
+        joinable._join_config = _JoinConfig.construct_disabled_join_config()
+        for session in joinable._sessions:
+            session.finish()  # the listener's collectives time out as the group's do
+
+
+def _layers_device(layers: list[SyncBatchNorm], group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    for layer in layers:
+        for tensor in (*layer.parameters(recurse=False), *layer.buffers(recurse=False)):
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _session_groups(groups: list[Any], device: torch.device) -> dict[tuple[int, ...], Any]:
+    """A copy of every group any rank's layers use, by ranks; collective over the world, on every rank alike.
+
+    Each copy has the collective timeout of the group it copies (``new_group``'s default is 30 minutes).
+    """
+    timeouts = {tuple(dist.get_process_group_ranks(g)): _timeout(g, device) for g in groups}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(timeouts.items()))
+    wanted: dict[tuple[int, ...], Optional[timedelta]] = {}
+    for rank_groups in everyone:
+        for ranks, timeout in rank_groups:
+            wanted.setdefault(tuple(ranks), timeout)
+    for ranks in sorted(wanted):
+        if ranks not in _SESSION_GROUPS:
+            _SESSION_GROUPS[ranks] = dist.new_group(list(ranks), timeout=wanted[ranks])
+    return _SESSION_GROUPS
+
+
+def _timeout(group: Any, device: torch.device) -> Optional[timedelta]:
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):  # a backend without options: new_group's default
+        return None
+
+
+def _ours(join: Join) -> list[SyncBatchNormJoinable]:
+    return [j for j in join._joinables if isinstance(j, SyncBatchNormJoinable)]
+
+
+def _extend_torch_join() -> None:
+    """Wrap ``Join.__exit__`` and ``Join._set_joinable_configs`` once (see the module docstring)."""
+    if getattr(Join, "_syncbn_dist_extended", False):
+        return
+    set_configs, exit_ = Join._set_joinable_configs, Join.__exit__
+
+    @functools.wraps(set_configs)
+    def _set_joinable_configs(self: Join) -> None:
+        set_configs(self)
+        first = self._joinables[0]
+        other = next((j for j in self._joinables if not isinstance(j, SyncBatchNormJoinable)), None)
+        if isinstance(first, SyncBatchNormJoinable) and other is not None:
+            # DDP notifies inside its forward, before its own collectives; a hook of ours would come after them.
+            first._join_config = first._join_config._replace(is_first_joinable=False)
+            other._join_config = other._join_config._replace(is_first_joinable=True)
+
+    @functools.wraps(exit_)
+    def __exit__(self: Join, type: Any, value: Any, traceback: Any) -> Any:
+        ours = _ours(self)
+        if self._enable and type is None and not self._throw_on_early_termination:
+            for joinable in ours:  # before Join's first collective: the active ranks' next ones need the listeners
+                joinable._start_listeners()
+        try:
+            return exit_(self, type, value, traceback)
+        except Exception as error:
+            for joinable in ours:  # the active ranks' disagreement, if the listener saw it, is the cause
+                for session in joinable._sessions:
+                    try:
+                        session.raise_listener_error()
+                    except Exception as cause:
+                        raise cause from error
+            raise
+
+    Join._set_joinable_configs = _set_joinable_configs
+    Join.__exit__ = __exit__
+    Join._syncbn_dist_extended = True

@@ -1,0 +1,236 @@
+"""Uneven inputs across ranks under ``torch.distributed.algorithms.Join`` (syncbn_dist.join_layers), over gloo.
+
+Each rank has its own number of batches (one rank may have none). Every step's outputs, input gradients, parameter
+gradients and running statistics must equal ``nn.BatchNorm`` in float64 on the union of the batches of the ranks
+still active at that step, and so must the evaluation after the uneven epoch, on every rank. A model whose layer
+order changes from step to step is served exactly; active ranks at different layers raise on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from closeness import assert_close
+from torch import Tensor, nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel
+
+from launch.common.spawn import run_distributed
+from syncbn_dist import DataParallelWithCallback, LayerMismatchError, convert_model, join_layers
+
+pytestmark = pytest.mark.distributed
+
+C = 4
+LR = 0.1
+
+
+def _net(momentum: Optional[float] = 0.1) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, C, 1),
+        nn.BatchNorm2d(C, momentum=momentum),
+        nn.ReLU(),
+        nn.Conv2d(C, C, 1),
+        nn.BatchNorm2d(C, momentum=momentum),
+    )
+
+
+def _batch_size(rank: int, step: int) -> int:
+    """Uneven within a step, one empty shard (rank 0, step 1)."""
+    return 0 if (rank, step) == (0, 1) else 2 + (rank + step) % 3
+
+
+def _batches(rank: int, counts: list[int]) -> list[tuple[Tensor, Tensor]]:
+    """Rank ``rank``'s batches: inputs (N, 3, 3, 2) with a per-channel offset, and weights for the loss."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    batches = []
+    for step in range(counts[rank]):
+        n = _batch_size(rank, step)
+        x = torch.randn(n, 3, 3, 2, generator=generator, dtype=torch.float64) * 2.0 + 3.0
+        batches.append((x, torch.randn(n, C, 3, 2, generator=generator, dtype=torch.float64)))
+    return batches
+
+
+def _eval_input() -> Tensor:
+    return torch.randn(5, 3, 3, 2, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+
+
+def _running_stats(model: nn.Module) -> list[Tensor]:
+    return [
+        t.detach().clone().double()
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        for t in (m.running_mean, m.running_var, m.num_batches_tracked)
+    ]
+
+
+def _train_uneven(rank: int, world_size: int, counts: list[int], setup: dict[str, Any]) -> dict[str, Any]:
+    """One uneven epoch under Join; each step's records, then the model in eval mode on every rank."""
+    torch.manual_seed(0)
+    model = convert_model(_net(setup.get("momentum", 0.1)))
+    if setup.get("cpu_replicas"):
+        model = DataParallelWithCallback(model, cpu_replicas=setup["cpu_replicas"])
+    wrapped = DistributedDataParallel(model) if setup["ddp"] else model
+    joinable = join_layers(wrapped if setup.get("join_outer") else model)
+    joinables = [joinable, wrapped] if setup.get("ours_first") else [wrapped, joinable]
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    records = []
+    with Join(joinables if setup["ddp"] else [joinable]):
+        for x, w in _batches(rank, counts):
+            x = x.float().requires_grad_()
+            out = wrapped(x)
+            (out * w.float()).sum().backward()
+            records.append(
+                {
+                    "out": out.detach().double(),
+                    "grad_input": x.grad.double(),
+                    "grads": [p.grad.double().clone() for p in model.parameters()],
+                    "stats": _running_stats(model),
+                }
+            )
+            if setup["ddp"]:  # without DDP each rank's gradients are its own: the parent sums them
+                optimizer.step()
+            optimizer.zero_grad()
+    wrapped.eval()
+    with torch.no_grad():
+        evaluated = wrapped(_eval_input().float()).double()
+    return {"records": records, "eval": evaluated, "stats": _running_stats(model)}
+
+
+def _reference(world_size: int, counts: list[int], momentum: Optional[float], train: bool) -> dict[str, Any]:
+    """nn.BatchNorm in float64 on the union of the active ranks' batches, step by step (SGD steps if ``train``)."""
+    model = _net(momentum).double()
+    # DDP divides the summed gradients by the initial world size, even under Join.
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR / world_size if train else 0.0)
+    batches = [_batches(rank, counts) for rank in range(world_size)]
+    steps = []
+    for step in range(max(counts)):
+        active = [rank for rank in range(world_size) if step < counts[rank]]
+        x = torch.cat([batches[rank][step][0] for rank in active]).requires_grad_()
+        w = torch.cat([batches[rank][step][1] for rank in active])
+        out = model(x)
+        (out * w).sum().backward()
+        sizes = [batches[rank][step][0].size(0) for rank in active]
+        steps.append(
+            {
+                "active": active,
+                "out": dict(zip(active, out.detach().split(sizes))),
+                "grad_input": dict(zip(active, x.grad.split(sizes))),
+                "grads": [p.grad.clone() for p in model.parameters()],
+                "stats": _running_stats(model),
+            }
+        )
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(_eval_input())
+    return {"steps": steps, "eval": evaluated, "stats": _running_stats(model)}
+
+
+# float32 activations and parameters against float64: a few float32 roundings per value, amplified by 1/std and by
+# up to five SGD steps of shared weights.
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _assert_matches_reference(results: list[dict[str, Any]], world_size: int, counts: list[int], setup: dict) -> None:
+    reference = _reference(world_size, counts, setup.get("momentum", 0.1), train=setup["ddp"])
+    for step, expected in enumerate(reference["steps"]):
+        # DDP's averaged gradients times the initial world size, or the sum of the ranks' own gradients.
+        grads = [
+            results[expected["active"][0]]["records"][step]["grads"][i] * world_size
+            if setup["ddp"]
+            else sum(results[rank]["records"][step]["grads"][i] for rank in expected["active"])
+            for i in range(len(expected["grads"]))
+        ]
+        for i, (g, e) in enumerate(zip(grads, expected["grads"])):
+            assert_close(g, e, f"parameter {i} gradient, step {step}", **TOLERANCE)
+        for rank in expected["active"]:
+            got = results[rank]["records"][step]
+            where = f"rank {rank}, step {step}"
+            assert_close(got["out"], expected["out"][rank], f"output, {where}", **TOLERANCE)
+            assert_close(got["grad_input"], expected["grad_input"][rank], f"input gradient, {where}", **TOLERANCE)
+            for i, (s, e) in enumerate(zip(got["stats"], expected["stats"])):
+                assert_close(s, e, f"running statistic {i}, {where}", **TOLERANCE)
+    for rank, result in enumerate(results):
+        assert len(result["records"]) == counts[rank]
+        for i, (s, e) in enumerate(zip(result["stats"], reference["stats"])):
+            assert_close(s, e, f"running statistic {i} after the epoch, rank {rank}", **TOLERANCE)
+        assert_close(result["eval"], reference["eval"], f"evaluation after the epoch, rank {rank}", **TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    "counts, setup",
+    [
+        ([3, 5], {"ddp": True}),
+        ([2, 0, 4], {"ddp": True, "ours_first": True, "join_outer": True}),
+        # No DDP, a cumulative average: the joined rank keeps its running statistics from what it answers.
+        ([4, 1], {"ddp": False, "momentum": None}),
+        # Two thread replicas in each process, the master of each summing over processes.
+        ([1, 3], {"ddp": False, "cpu_replicas": 2, "join_outer": True}),
+    ],
+    ids=["ddp-3-5", "ddp-2-0-4-ours-first", "no-ddp-4-1-cumulative", "replicas-1-3"],
+)
+def test_uneven_batch_counts_under_join_equal_batchnorm_on_the_active_ranks_union(counts: list[int], setup: dict) -> None:
+    results = run_distributed(_train_uneven, len(counts), counts, setup)
+    _assert_matches_reference(results, len(counts), counts, setup)
+
+
+class _Reordering(nn.Module):
+    """Two synchronized layers whose order changes from step to step, or from rank to rank."""
+
+    def __init__(self, by_rank: bool) -> None:
+        super().__init__()
+        self.first, self.second = nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+        self.by_rank, self.calls = by_rank, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        flip = dist.get_rank() // 2 if self.by_rank else self.calls % 2  # ranks 0 and 2 differ
+        a, b = (self.second, self.first) if flip else (self.first, self.second)
+        return b(a(x))
+
+
+def _reorder_worker(rank: int, world_size: int, counts: list[int], by_rank: bool) -> dict[str, Any]:
+    model = convert_model(_Reordering(by_rank))
+    ddp = DistributedDataParallel(model)
+    outputs: list[Tensor] = []
+    try:
+        with Join([ddp, join_layers(model)]):
+            for x, _ in _batches(rank, counts):
+                out = ddp(x.float())
+                out.sum().backward()
+                outputs.append(out.detach().double())
+    except Exception as error:  # noqa: BLE001 - reported to the parent, which checks every rank's
+        return {"error": type(error).__name__, "message": str(error), "outputs": outputs}
+    return {"error": None, "outputs": outputs, "stats": _running_stats(model)}
+
+
+def test_layer_order_changing_from_step_to_step_is_served_exactly() -> None:
+    counts = [3, 1]
+    results = run_distributed(_reorder_worker, 2, counts, False)
+    assert [r["error"] for r in results] == [None, None]
+    reference = _Reordering(by_rank=False).double()
+    batches = [_batches(rank, counts) for rank in range(2)]
+    for step in range(max(counts)):
+        active = [rank for rank in range(2) if step < counts[rank]]
+        out = reference(torch.cat([batches[rank][step][0] for rank in active]))
+        sizes = [batches[rank][step][0].size(0) for rank in active]
+        for rank, expected in zip(active, out.split(sizes)):
+            assert_close(results[rank]["outputs"][step], expected, f"output, rank {rank}, step {step}", **TOLERANCE)
+    for rank in range(2):
+        for i, (s, e) in enumerate(zip(results[rank]["stats"], _running_stats(reference))):
+            assert_close(s, e, f"running statistic {i}, rank {rank}", **TOLERANCE)
+
+
+def test_active_ranks_at_different_layers_raise_on_every_rank() -> None:
+    """Rank 1 has no batch; ranks 0 and 2 run the two layers in opposite orders: all three raise the clear error
+    (rank 1 when the others have left), well before the process group's 60 s timeout."""
+    results = run_distributed(_reorder_worker, 3, [2, 0, 2], True, timeout=50)
+    for rank, result in enumerate(results):
+        assert result["error"] == "LayerMismatchError", (rank, result)
+        assert "different synchronized layers" in result["message"]
