@@ -26,7 +26,7 @@ from launch.common.config import ConfigError, parse_config
 from launch.common.spawn import run_distributed
 from launch.common.torchrun import env_outside_torchrun
 from launch.digits import train
-from launch.digits.config import DigitsConfig, ModelConfig, TrainConfig, load_digits_config
+from launch.digits.config import DigitsConfig, ModelConfig, TrainConfig, check_launch, load_digits_config
 from launch.digits.data import load_data
 from launch.digits.loop import check_same_on_all_ranks, evaluate, show_progress_bar
 from launch.digits.model import DigitsNet
@@ -150,6 +150,16 @@ def test_bad_config_is_rejected_naming_the_key(
         assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "overrides", [["parallel=dataparallel"], ["train.checkpoint_every_steps=5"]], ids=["dataparallel", "step-checkpoints"]
+)
+def test_uneven_shards_need_ddp_and_no_checkpoint_inside_the_epoch(overrides: list[str]) -> None:
+    cfg = load_digits_config(None, ["data.uneven_shards=true", *overrides])
+    with pytest.raises(ConfigError, match="'data.uneven_shards'"):
+        check_launch(cfg, env={"WORLD_SIZE": "1"})
+    check_launch(load_digits_config(None, overrides), env={"WORLD_SIZE": "1"})  # fine with even shards
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
@@ -262,9 +272,11 @@ def test_check_same_on_all_ranks_detects_a_differing_running_stat_on_every_rank(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _run_job(launcher: list[str], config: str, out: Path) -> subprocess.CompletedProcess[str]:
+def _run_job(
+    launcher: list[str], config: str, out: Path, overrides: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     env = env_outside_torchrun(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # CPU paths, whatever the machine
-    args = ["--config", config, "train.epochs=1", f"output_dir={out}"]
+    args = ["--config", config, "train.epochs=1", f"output_dir={out}", *overrides]
     proc = subprocess.run(
         [*launcher, "-m", "launch.digits.train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
     )
@@ -312,14 +324,21 @@ def _check_outputs(out: Path, steps_per_epoch: int, transport: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_ddp_job_one_epoch_under_torchrun(tmp_path: Path) -> None:
+@pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven-shards"])
+def test_ddp_job_one_epoch_under_torchrun(tmp_path: Path, uneven: bool) -> None:
+    """With ``data.uneven_shards`` rank 1 runs one step fewer, under Join; the job's own end-of-epoch check that
+    every rank holds the same parameters and buffers (check_same_on_all_ranks) passes, so the rank that joined
+    kept its running statistics exactly."""
     out = tmp_path / "ddp"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    _run_job(torchrun, "configs/digits.yaml", out)
+    _run_job(torchrun, "configs/digits.yaml", out, (f"data.uneven_shards={str(uneven).lower()}",))
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["global_batch_size"] == 32
-    # DistributedSampler(drop_last=True): disjoint equal shards of floor(1437 / 2); full batches of 16.
+    # DistributedSampler(drop_last=True): disjoint equal shards of floor(1437 / 2); full batches of 16. Rank 0 (which
+    # writes the checkpoint) runs all of them with uneven shards too.
     _check_outputs(out, (NUM_TRAIN // 2) // 16, "distributed")
+    digests = metrics["state_sha256"]
+    assert len(digests) == 2 and digests[0] == digests[1]  # bit-identical parameters and buffers on both ranks
 
 
 @pytest.mark.slow

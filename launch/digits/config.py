@@ -25,6 +25,9 @@ class DataConfig:
     eval_batch_size: int = positive(512)
     test_fraction: float = ruled(0.2, "in (0, 1)", lambda v: 0 < v < 1)
     split_seed: int = 0  # the stratified train/test split; fixed so every run and rank sees the same split
+    # Uneven shards: rank r runs r fewer batches per epoch than rank 0, the steps running under torch's Join with
+    # syncbn_dist.join_layers (docs/training.md, "Uneven inputs"). ddp only; no checkpoint_every_steps.
+    uneven_shards: bool = False
 
 
 @dataclass
@@ -86,7 +89,8 @@ def check_launch(cfg: DigitsConfig, env: Mapping[str, str] | None = None) -> Non
 
     Raises:
         ConfigError: for ``parallel: dataparallel`` under torchrun with more than one process,
-            ``device: cuda`` without CUDA, or more processes on this node than GPUs.
+            ``device: cuda`` without CUDA, more processes on this node than GPUs, or ``data.uneven_shards`` outside
+            ``parallel: ddp`` or with ``train.checkpoint_every_steps``.
     """
     env = os.environ if env is None else env
     world_size = int(env.get("WORLD_SIZE", "1"))
@@ -94,6 +98,11 @@ def check_launch(cfg: DigitsConfig, env: Mapping[str, str] | None = None) -> Non
         raise ConfigError(
             f"config key 'parallel': 'dataparallel' runs in one process; launch it with python, not "
             f"torchrun (got WORLD_SIZE={world_size}), or use parallel=ddp"
+        )
+    if cfg.data.uneven_shards and (cfg.parallel != "ddp" or cfg.train.checkpoint_every_steps):
+        raise ConfigError(
+            "config key 'data.uneven_shards': uneven shards run under DDP's Join (parallel=ddp), where a checkpoint "
+            "inside the epoch cannot be taken (set train.checkpoint_every_steps=0)"
         )
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("config key 'device': 'cuda' was asked for but CUDA is not available")

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import sys
 from dataclasses import dataclass
-from typing import Callable, TextIO
+from typing import Any, Callable, TextIO
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.algorithms.join import Join
 from torch.utils.data import DataLoader
 from tqdm import tqdm
+
+import syncbn_dist
 
 from launch.digits.model import bn_transports
 from launch.digits.runtime import Runtime
@@ -60,6 +64,8 @@ def train_steps(
     progress_bar: bool | str = False,
     checkpoint_every: int = 0,
     checkpoint: Callable[[], None] | None = None,
+    steps: int | None = None,
+    uneven: bool = False,
 ) -> int:
     """Run the epoch's steps from ``progress.step`` on, updating ``progress`` after each.
 
@@ -68,13 +74,46 @@ def train_steps(
     With ``checkpoint_every`` > 0, ``checkpoint()`` runs on every rank after each ``checkpoint_every``-th step of
     the epoch but its last (the epoch's own checkpoint follows that). ``progress_bar``: see :func:`show_progress_bar`.
 
+    ``steps``: this rank's steps in the epoch (default ``len(loader)``). ``uneven`` (the same on every rank: ranks
+    may run different numbers of steps) runs them under torch's ``Join`` with the model, its synchronized layers
+    (:func:`syncbn_dist.join_layers`) and ``stop``'s agreement as joinables, so the ranks that are done shadow the
+    collectives of those still training.
+
     Returns:
         0 when the epoch is complete, else the number of the signal that stopped it.
     """
     model.train()
-    batches = itertools.islice(loader, progress.step, None)
+    steps = len(loader) if steps is None else steps
+    batches = itertools.islice(loader, progress.step, steps)
     show = runtime.is_main and show_progress_bar(progress_bar)
-    bar = tqdm(batches, desc=desc, total=len(loader), initial=progress.step, leave=False, disable=not show)
+    bar = tqdm(batches, desc=desc, total=steps, initial=progress.step, leave=False, disable=not show)
+    with _uneven_join(model, stop, runtime, uneven):
+        return _run_steps(model, bar, optimizer, runtime, progress, stop, checkpoint_every, checkpoint, len(loader))
+
+
+def _uneven_join(model: nn.Module, stop: StopRequest | None, runtime: Runtime, uneven: bool) -> Any:
+    """torch's ``Join`` over the stop agreement (first: it notifies before its collective), the DDP model and its
+    synchronized layers; a no-op context for even shards."""
+    if not uneven or runtime.world_size == 1:
+        return contextlib.nullcontext()
+    joinables: list[Any] = [] if stop is None else [stop]
+    joinables.append(model)
+    if any(isinstance(m, syncbn_dist.SyncBatchNorm) for m in model.modules()):
+        joinables.append(syncbn_dist.join_layers(model))
+    return Join(joinables)
+
+
+def _run_steps(
+    model: nn.Module,
+    bar: Any,
+    optimizer: torch.optim.Optimizer,
+    runtime: Runtime,
+    progress: EpochProgress,
+    stop: StopRequest | None,
+    checkpoint_every: int,
+    checkpoint: Callable[[], None] | None,
+    epoch_steps: int,
+) -> int:
     for images, labels in bar:
         signum = stop.agreed(runtime) if stop is not None else 0
         if signum:
@@ -88,7 +127,7 @@ def train_steps(
         progress.step += 1
         bar.set_postfix(loss=f"{loss.item():.4f}")
         if checkpoint is not None and checkpoint_every and progress.step % checkpoint_every == 0:
-            if progress.step < len(loader):
+            if progress.step < epoch_steps:
                 checkpoint()
     return 0
 

@@ -9,13 +9,14 @@ from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 
 from launch.digits.runtime import Runtime
 
 T = TypeVar("T")
 
 
-class StopRequest:
+class StopRequest(Joinable):
     """Turns SIGTERM and SIGINT into a request to stop at the next step boundary that every rank agrees on.
 
     Use it as a context manager around training: it installs the handlers (main thread only) and restores
@@ -24,13 +25,19 @@ class StopRequest:
     a rank that left alone would leave the others waiting in the next collective. Repeated signals
     change nothing (a second Ctrl-C does not abort the checkpoint; torchrun SIGKILLs workers 30 s after
     forwarding a signal anyway).
+
+    It is also a :class:`~torch.distributed.algorithms.Joinable`: under ``Join`` (uneven shards), a rank that has
+    run out of batches answers the others' agreements with "no signal", and the first joinable notifies ``Join``
+    before the agreement, the first collective of a step.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
+        super().__init__()
         self.signum = 0
         self._previous: dict[int, Any] = {}
+        self._device = torch.device("cpu")
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
@@ -50,9 +57,32 @@ class StopRequest:
         """The signal number some rank received (0 if none): the same value on every rank (a collective)."""
         if runtime.world_size == 1:
             return self.signum
+        self._device = runtime.device
+        Join.notify_join_context(self)
         flag = torch.tensor([self.signum], dtype=torch.int64, device=runtime.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _NoSignalHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def join_process_group(self) -> Any:
+        return dist.group.WORLD
+
+
+class _NoSignalHook(JoinHook):
+    """A joined rank's part of each step's agreement: no signal (0 under MAX)."""
+
+    def __init__(self, stop: StopRequest) -> None:
+        self._stop = stop
+
+    def main_hook(self) -> None:
+        dist.all_reduce(torch.zeros(1, dtype=torch.int64, device=self._stop.join_device), op=dist.ReduceOp.MAX)
 
 
 def deaf_once_failed(fn: Callable[..., T]) -> Callable[..., T]:

@@ -160,6 +160,8 @@ def _run(cfg: DigitsConfig, runtime: Runtime, checkpoint: dict[str, Any] | None,
             cfg.progress_bar,
             checkpoint_every=cfg.train.checkpoint_every_steps,
             checkpoint=functools.partial(checkpoint_now, epoch, epoch_start),
+            steps=max(len(train_loader) - runtime.rank, 0) if cfg.data.uneven_shards else None,
+            uneven=cfg.data.uneven_shards,
         )
         if signum:
             checkpoint_now(epoch, epoch_start)
