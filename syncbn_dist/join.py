@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.algorithms.join import Join, JoinHook, Joinable, _JoinConfig
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
 from .batchnorm import SyncBatchNorm
 from .comm.join import JoinBinding, JoinSession, JoinTransport

@@ -8,7 +8,6 @@ order changes from step to step is served exactly; active ranks at different lay
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Optional
 
 import pytest
@@ -20,7 +19,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from launch.common.spawn import run_distributed
-from syncbn_dist import DataParallelWithCallback, LayerMismatchError, convert_model, join_layers
+from syncbn_dist import DataParallelWithCallback, convert_model, join_layers
 
 pytestmark = pytest.mark.distributed
 
@@ -175,7 +174,9 @@ def _assert_matches_reference(results: list[dict[str, Any]], world_size: int, co
     ],
     ids=["ddp-3-5", "ddp-2-0-4-ours-first", "no-ddp-4-1-cumulative", "replicas-1-3"],
 )
-def test_uneven_batch_counts_under_join_equal_batchnorm_on_the_active_ranks_union(counts: list[int], setup: dict) -> None:
+def test_uneven_batch_counts_under_join_equal_batchnorm_on_the_active_ranks_union(
+    counts: list[int], setup: dict
+) -> None:
     results = run_distributed(_train_uneven, len(counts), counts, setup)
     _assert_matches_reference(results, len(counts), counts, setup)
 

@@ -151,7 +151,9 @@ def test_bad_config_is_rejected_naming_the_key(
 
 
 @pytest.mark.parametrize(
-    "overrides", [["parallel=dataparallel"], ["train.checkpoint_every_steps=5"]], ids=["dataparallel", "step-checkpoints"]
+    "overrides",
+    [["parallel=dataparallel"], ["train.checkpoint_every_steps=5"]],
+    ids=["dataparallel", "step-checkpoints"],
 )
 def test_uneven_shards_need_ddp_and_no_checkpoint_inside_the_epoch(overrides: list[str]) -> None:
     cfg = load_digits_config(None, ["data.uneven_shards=true", *overrides])

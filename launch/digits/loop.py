@@ -17,7 +17,6 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 import syncbn_dist
-
 from launch.digits.model import bn_transports
 from launch.digits.runtime import Runtime
 from launch.digits.stop import StopRequest

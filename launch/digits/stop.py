@@ -9,7 +9,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, JoinHook, Joinable
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from launch.digits.runtime import Runtime
 

@@ -174,7 +174,9 @@ class JoinSession:
                     raise LayerMismatchError(self._mismatch("while this rank had joined"))
                 if announcement.kind == _HEADER:
                     continue
-                total = self.transport.sum_(torch.zeros(announcement.numel, dtype=announcement.dtype, device=self.device))
+                total = self.transport.sum_(
+                    torch.zeros(announcement.numel, dtype=announcement.dtype, device=self.device)
+                )
                 if announcement.kind == _TRACKED_FORWARD:
                     self.on_forward_total(announcement.layer, total)
         except BaseException as error:  # noqa: B036 - handed to the main thread by finish()
