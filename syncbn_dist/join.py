@@ -12,10 +12,14 @@ Each step's statistics cover the ranks that still have batches, exactly: a rank 
 synchronized collective with an empty shard (count 0) until the last rank is done. The protocol is in
 :mod:`syncbn_dist.comm.join`; docs/training.md ("Uneven inputs") and docs/design.md ("Uneven inputs under Join").
 
-torch's ``Join`` is extended once, when :func:`join_layers` is first called, in two places (a ``Join`` without a
-joinable of this module is unchanged): a rank that joins starts its listeners before its first shadowing
-collective, whatever the order of the joinables; and when another joinable is listed (DistributedDataParallel),
-that one sends ``Join``'s per-step notification, which must come before its own collectives in the forward.
+``Join([ddp_model])`` alone works too: a ``Join`` of a DistributedDataParallel model that holds synchronized
+layers, and no joinable of this module, gets ``join_layers(ddp_model)`` added as its last joinable.
+
+Importing syncbn_dist extends torch's ``Join`` for this (a ``Join`` without synchronized layers is unchanged):
+``__init__`` adds the layers' joinable beside a DDP model, and hands ``Join``'s per-step notification to DDP when
+ours is listed first (DDP sends it inside its forward, before its own collectives); ``__exit__`` starts a joining
+rank's listeners before its first shadowing collective, whatever the order of the joinables, and raises the
+listener's error if the ``Join`` fails after the active ranks disagreed.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
+from torch.nn.parallel import DistributedDataParallel
 
 from .batchnorm import SyncBatchNorm
 from .comm.join import JoinBinding, JoinSession, JoinTransport
@@ -87,7 +92,6 @@ class SyncBatchNormJoinable(Joinable):
         self._sessions = self._bind_layers()
         self._model = model
         model.register_forward_pre_hook(self._start_of_forward)
-        _extend_torch_join()
 
     def _bind_layers(self) -> list[JoinSession]:
         """One session per distinct group of the layers, on a copy of that group; give each layer its transport."""
@@ -204,20 +208,18 @@ def _ours(join: Join) -> list[SyncBatchNormJoinable]:
 
 
 def _extend_torch_join() -> None:
-    """Wrap ``Join.__exit__`` and ``Join._set_joinable_configs`` once (see the module docstring)."""
+    """Wrap ``Join.__init__`` and ``Join.__exit__`` (see the module docstring); once per process."""
     if getattr(Join, "_syncbn_dist_extended", False):
         return
-    set_configs, exit_ = Join._set_joinable_configs, Join.__exit__
+    init, exit_ = Join.__init__, Join.__exit__
 
-    @functools.wraps(set_configs)
-    def _set_joinable_configs(self: Join) -> None:
-        set_configs(self)
-        first = self._joinables[0]
-        other = next((j for j in self._joinables if not isinstance(j, SyncBatchNormJoinable)), None)
-        if isinstance(first, SyncBatchNormJoinable) and other is not None:
-            # DDP notifies inside its forward, before its own collectives; a hook of ours would come after them.
-            first._join_config = first._join_config._replace(is_first_joinable=False)
-            other._join_config = other._join_config._replace(is_first_joinable=True)
+    @functools.wraps(init)
+    def __init__(self: Join, joinables: list[Joinable], *args: Any, **kwargs: Any) -> None:
+        init(self, joinables, *args, **kwargs)
+        if _ours(self):
+            _let_another_notify(self)
+        else:
+            _join_layers_of_ddp(self, kwargs)
 
     @functools.wraps(exit_)
     def __exit__(self: Join, type: Any, value: Any, traceback: Any) -> Any:
@@ -236,6 +238,33 @@ def _extend_torch_join() -> None:
                         raise cause from error
             raise
 
-    Join._set_joinable_configs = _set_joinable_configs
+    Join.__init__ = __init__
     Join.__exit__ = __exit__
     Join._syncbn_dist_extended = True
+
+
+def _let_another_notify(join: Join) -> None:
+    """When a joinable of ours is first beside another (DDP), the other sends Join's per-step notification: DDP sends
+    it inside its forward, before its own collectives, where a forward pre-hook of ours may come after them."""
+    first = join._joinables[0]
+    other = next((j for j in join._joinables if not isinstance(j, SyncBatchNormJoinable)), None)
+    if isinstance(first, SyncBatchNormJoinable) and other is not None:
+        first._join_config = first._join_config._replace(is_first_joinable=False)
+        other._join_config = other._join_config._replace(is_first_joinable=True)
+
+
+def _join_layers_of_ddp(join: Join, kwargs: dict[str, Any]) -> None:
+    """``Join([ddp_model])`` alone: add the joinable of the DDP model's synchronized layers, last (collective on the
+    first ``Join`` of that model, on every rank alike, as every rank builds the same ``Join``)."""
+    added = []
+    for ddp in join._joinables:
+        if isinstance(ddp, DistributedDataParallel) and any(isinstance(m, SyncBatchNorm) for m in ddp.modules()):
+            joinable = join_layers(ddp, ddp.process_group)
+            joinable._join_config = _JoinConfig(join._enable, join._throw_on_early_termination, False)
+            added.append(joinable)
+    if added:
+        join._joinables = [*join._joinables, *added]
+        join._join_hooks = [*join._join_hooks, *(j.join_hook(**kwargs) for j in added)]
+
+
+_extend_torch_join()

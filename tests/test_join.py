@@ -19,7 +19,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from launch.common.spawn import run_distributed
-from syncbn_dist import DataParallelWithCallback, convert_model, join_layers
+from syncbn_dist import DataParallelWithCallback, SyncBatchNormJoinable, convert_model, join_layers
 
 pytestmark = pytest.mark.distributed
 
@@ -74,11 +74,16 @@ def _train_uneven(rank: int, world_size: int, counts: list[int], setup: dict[str
     if setup.get("cpu_replicas"):
         model = DataParallelWithCallback(model, cpu_replicas=setup["cpu_replicas"])
     wrapped = DistributedDataParallel(model) if setup["ddp"] else model
-    joinable = join_layers(wrapped if setup.get("join_outer") else model)
-    joinables = [joinable, wrapped] if setup.get("ours_first") else [wrapped, joinable]
+    if setup.get("ddp_alone"):  # Join([ddp_model]): importing syncbn_dist adds the layers' joinable
+        joinables = [wrapped]
+    else:
+        joinable = join_layers(wrapped if setup.get("join_outer") else model)
+        joinables = [joinable, wrapped] if setup.get("ours_first") else [wrapped, joinable]
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     records = []
-    with Join(joinables if setup["ddp"] else [joinable]):
+    join = Join(joinables if setup["ddp"] else [joinable])
+    assert any(isinstance(j, SyncBatchNormJoinable) for j in join._joinables)
+    with join:
         for x, w in _batches(rank, counts):
             x = x.float().requires_grad_()
             out = wrapped(x)
@@ -167,12 +172,13 @@ def _assert_matches_reference(results: list[dict[str, Any]], world_size: int, co
     [
         ([3, 5], {"ddp": True}),
         ([2, 0, 4], {"ddp": True, "ours_first": True, "join_outer": True}),
+        ([2, 3], {"ddp": True, "ddp_alone": True}),
         # No DDP, a cumulative average: the joined rank keeps its running statistics from what it answers.
         ([4, 1], {"ddp": False, "momentum": None}),
         # Two thread replicas in each process, the master of each summing over processes.
         ([1, 3], {"ddp": False, "cpu_replicas": 2, "join_outer": True}),
     ],
-    ids=["ddp-3-5", "ddp-2-0-4-ours-first", "no-ddp-4-1-cumulative", "replicas-1-3"],
+    ids=["ddp-3-5", "ddp-2-0-4-ours-first", "ddp-alone-2-3", "no-ddp-4-1-cumulative", "replicas-1-3"],
 )
 def test_uneven_batch_counts_under_join_equal_batchnorm_on_the_active_ranks_union(
     counts: list[int], setup: dict
