@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# The checks only a GPU can run (README, "GPU status"): the gpu-marked tests on both kernel sets, then the
+# The checks only a GPU can run (README, "What has run where"): the gpu-marked tests on both kernel sets, then the
 # one-layer microbenchmark on CUDA beside torch.nn.SyncBatchNorm's kernels, with K3 and the compile cost on Triton,
 # the ResNet-50 training step with each library's synchronization forced (launch.bench.resnet50_step: issue 34's
 # G1-G3), then each variant's kernels' device time (launch.bench.kernel_profile device=cuda). Writes 8 files into
 # OUT_DIR, the most a device run brings back.
 #
-#   make bench-gpu GPU_PY=python3                   # writes outputs/bench_gpu/ (docs/performance_cuda.md: a copy)
+#   make bench-gpu GPU_PY=python3                   # writes outputs/bench_gpu/
 #   bash launch/bench/gpu.sh python3 /tmp/out       # a GPU machine whose python3 has torch (and omegaconf, tqdm)
 #   GPU_STAGES="tests step" bash launch/bench/gpu.sh python3 /tmp/out   # some stages only
+#
+# Into docs/ and the README, on any machine: performance.json becomes docs/performance_cuda.json (stage micro) and
+# resnet50_step.md docs/performance_cuda_step.md (stage step); then `python -m launch.bench.render` writes
+# docs/performance_cuda.md and the README's GPU table from them (launch/bench/render.py). Update the README's
+# "What has run where" by hand with what passed, on which GPU and at which commit.
 #
 # All stages take longer than one 10-minute device call: GPU_STAGES (default: all of them, in this order) picks
 # some of tests (test_gpu.py), micro (the one-layer benchmark), step (the ResNet-50 step), kernels (device time)

@@ -1,5 +1,6 @@
 """Render the benchmark's summary (:func:`launch.bench.summary.summarize`): the markdown report
-(performance.md, also printed) and the step-time plot (performance.png).
+(performance.md, also printed), the step-time plot (performance.png) and the README's tables per device, in a
+user's words (the target codes stay in the report).
 """
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ from typing import Any, Optional
 from launch.bench.models import COMPILED_SUFFIX, LABELS
 from launch.bench.summary import batchnorm_channels, fmt
 from launch.common.io import atomic_write
+
+# The rows' order of dtypes in the README's GPU step table, and the microbenchmark's name of torch's function.
+STEP_DTYPE_ORDER = ("bfloat16", "float32")
+TORCH_FUNCTION = "torch SyncBatchNorm fn"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -26,9 +31,25 @@ def _model_line(name: str, cfg: dict[str, Any], runs: list[dict[str, Any]]) -> s
     bucket = f"{cfg['bucket_cap_mb']} MiB" if cfg["bucket_cap_mb"] else "default"
     return (
         f"- {name}: {net}, batch {cfg['batch_size']} per rank, {cfg['image_size']}×{cfg['image_size']} input, "
-        f"DDP bucket cap {bucket}, {rounds} rounds × {cfg['steps_per_round']} "
-        f"step(s), {cfg['threads']} thread(s) per rank; wall time {walls}"
+        f"DDP bucket cap {bucket}, {rounds} rounds × {_count(cfg['steps_per_round'], 'step')}, "
+        f"{_count(cfg['threads'], 'intra-op thread')} per rank; wall time {walls}"
     )
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 step``, ``3 steps``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def on_gpu(summary: dict[str, Any]) -> bool:
+    """Whether the run measured CUDA (``device=cuda``: what ``make bench-gpu`` runs) rather than the CPU."""
+    return summary["config"].get("device") == "cuda" or (summary["micro"] or {}).get("backend") == "nccl"
+
+
+def shown_command(command: str) -> str:
+    """The run's command without ``output_dir=...``: where the machine that ran it wrote its files, which says
+    nothing about what was measured (a GPU machine's scratch path otherwise lands in the report)."""
+    return " ".join(word for word in command.split(" ") if not word.startswith("output_dir="))
 
 
 def _time_breakdown(cases: list[dict[str, Any]]) -> list[str]:
@@ -77,59 +98,180 @@ def _median(run: dict[str, Any], variant: str) -> Optional[float]:
     return None if entry is None else entry["median_ms"]
 
 
+def _layer_name(case: dict[str, Any]) -> str:
+    layout = " channels_last" if case["memory_format"] == "channels_last" else ""
+    return f"{tuple(case['shape'])} {case['dtype']}{layout}"
+
+
+def _times(value: Optional[float], over: Optional[float]) -> str:
+    """``2.09 (0.59×)``: ms, and in brackets its ratio to ``over``."""
+    if value is None:
+        return "–"
+    return fmt(value, ".2f") + ("" if over is None else f" ({value / over:.2f}×)")
+
+
+def _span(values: list[float]) -> str:
+    """``0.91–1.09×``, or ``1.02×`` for one value."""
+    low, high = min(values), max(values)
+    return f"{low:.2f}×" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}–{high:.2f}×"
+
+
+_BASELINE = "F.batch_norm + collectives"
+
+
 def readme_tables(summary: dict[str, Any]) -> str:
-    """The README's generated ``performance table`` section: the targets, and per config and world size the median
-    step of (a), (b), (f), (c), P1 and compiled (b) / eager (b). The numbers are :func:`markdown`'s."""
-    status = {True: "pass", False: "MISS", None: "–"}
-    rows = [
-        [f"{t['id']} {t['description']}", fmt(t["measured"], ".2f"), fmt(t["bound"], "g"), status[t["passed"]]]
-        for t in summary["targets"]
+    """The README's generated ``performance table`` section, for CPU: one layer against plain BatchNorm plus the same
+    two all_reduces (the cost any synchronized BatchNorm pays), the cases where syncbn_dist is slower, and the DDP
+    step's range. The numbers are :func:`markdown`'s; the target codes stay there."""
+    machine, micro = summary["machine"], summary["micro"]
+    out = [
+        f"**CPU** (`make bench`: {machine['cpu']}, {_count(machine['nproc'], 'CPU')}, torch {machine['torch']}, "
+        "gloo, one intra-op thread per process; every number: [docs/performance.md](docs/performance.md)). "
+        "One BatchNorm layer, forward + backward, median ms; in brackets the ratio to plain BatchNorm plus the same "
+        "two all_reduces, the floor for any synchronized BatchNorm (below 1 is faster):",
+        "",
     ]
-    out = _table(["target", "measured", "bound", "status"], rows) + [""]
-    rows = []
-    for name, scenario in summary["scenarios"].items():
-        for run in scenario["runs"]:
-            times = [_median(run, v) for v in ("bn", "syncbn_dist", "floor", "naive")]
-            rows.append(
-                [name, str(run["world_size"])]
-                + [fmt(t, ".1f") + " ms" if t is not None else "–" for t in times]
-                + [fmt(run.get("overhead_over_in_step_floor"), ".2f"), fmt(run.get("compiled_over_eager"), ".2f")]
-            )
-    header = ["config", "W", "(a) BN", "(b) syncbn_dist", "(f) in-step floor", "(c) naive"]
-    out += _table(header + ["P1 = ((b)−(a))/((f)−(a))", "compiled (b) / eager (b)"], rows)
+    cases = [c for c in (micro or {}).get("cases", []) if _BASELINE in c["median_ms"]]
+    if not cases:
+        out += ["Not measured (the one-layer benchmark did not run)."]
+    else:
+        names = {"syncbn_dist compiled": "syncbn_dist, compiled kernels", "syncbn_dist": "syncbn_dist, native kernels"}
+        ours = [name for name in names if any(name in c["median_ms"] for c in cases)]
+        rows = [
+            [_layer_name(c), fmt(c["median_ms"].get("F.batch_norm"), ".2f"), fmt(c["median_ms"][_BASELINE], ".2f")]
+            + [_times(c["median_ms"].get(name), c["median_ms"][_BASELINE]) for name in ours]
+            for c in cases
+        ]
+        header = ["layer input", "plain BatchNorm", "plain BatchNorm + the same all_reduces"]
+        out += _table(header + [names[name] for name in ours], rows)
+        verdicts = []
+        for name in ours:
+            slower = [
+                f"{_layer_name(c)} ({c['median_ms'][name] / c['median_ms'][_BASELINE]:.2f}×)"
+                for c in cases
+                if name in c["median_ms"] and c["median_ms"][name] > c["median_ms"][_BASELINE]
+            ]
+            words = names[name].removeprefix("syncbn_dist, ")
+            if len(slower) == len(cases):
+                verdicts.append(f"with the {words} in every case")
+            elif slower:
+                verdicts.append(f"with the {words} at " + ", ".join(slower))
+        if verdicts:
+            out += ["", "Where syncbn_dist is slower than plain BatchNorm plus the same all_reduces: "
+                    + "; ".join(verdicts) + "."]
+    steps = [
+        (run["world_size"], run["variants"])
+        for scenario in summary["scenarios"].values()
+        for run in scenario["runs"]
+        if {"bn", "syncbn_dist", "floor"} <= set(run["variants"])
+    ]
+    if steps:
+        over_floor = [v["syncbn_dist"]["median_ms"] / v["floor"]["median_ms"] for _, v in steps]
+        over_plain = [v["syncbn_dist"]["median_ms"] / v["bn"]["median_ms"] for _, v in steps]
+        sizes = " and ".join(str(w) for w in sorted({w for w, _ in steps}))
+        out += [
+            "",
+            f"Whole DDP training steps ({_count(len(summary['scenarios']), 'model configuration')} on {sizes} "
+            "processes): "
+            f"syncbn_dist's step takes {_span(over_floor)} the step of plain BatchNorm plus the same all_reduces, "
+            f"and {_span(over_plain)} plain BatchNorm's.",
+        ]
     return "\n".join(out) + "\n"
 
 
-def markdown(summary: dict[str, Any]) -> str:
-    """The report: step times, floors and overhead, ops, collectives, memory, microbenchmark, targets."""
-    machine = summary["machine"]
-    out = [
-        "# syncbn_dist performance",
-        "",
-        "Generated by `make bench`; the only copy of these numbers. "
-        f"`{summary['command']}` on {machine['cpu']} ({machine['nproc']} CPUs), torch {machine['torch']}, "
-        f"Python {machine['python']}"
-        + (f", GPUs: {', '.join(machine['cuda_devices'])}" if machine["cuda_devices"] else ", no GPU")
-        + f". Load average at start {fmt(machine.get('loadavg_start', [None])[0], '.2f')}; "
-        f"bench took {machine.get('bench_seconds')} s.",
-        "",
-        "## Targets",
-        "",
-    ]
-    rows = [
-        [
-            t["id"],
-            t["description"],
-            fmt(t["measured"]),
-            fmt(t["bound"], "g"),
-            {True: "pass", False: "MISS", None: "–"}[t["passed"]],
-            t["detail"],
+# The ResNet-50 step's rows in the README: (how it runs, plain's variant, syncbn_dist's variant, torch's or None).
+_STEP_ROWS = (
+    ("eager, native kernels", "plain", "syncbn_dist_native", "torch_function"),
+    ("eager, compiled kernels", "plain", "syncbn_dist_compiled", "torch_function"),
+    ("torch.compile", "plain_compile", "syncbn_dist_compile", None),
+    ('torch.compile "reduce-overhead" (CUDA graphs)', "plain_reduce_overhead", "syncbn_dist_reduce_overhead", None),
+)
+
+
+def readme_gpu_section(layer: Optional[dict[str, Any]], step: Optional[dict[str, Any]]) -> str:
+    """The README's generated ``gpu table`` section: the ResNet-50 training step (the record of
+    :mod:`launch.bench.resnet50_step`) against plain BatchNorm and torch.nn.SyncBatchNorm, or that it is not
+    measured; then one layer's range from ``make bench-gpu``'s benchmark summary (``layer``), if there is one."""
+    out = []
+    if step is None:
+        out += [
+            "**GPU**: the ResNet-50 training step against plain BatchNorm and torch.nn.SyncBatchNorm is **not "
+            "measured yet** (`make bench-gpu`, stage `step`, measures it).",
         ]
-        for t in summary["targets"]
-    ]
-    out += _table(["target", "what", "measured", "bound", "status", "detail"], rows)
-    out += [
-        "",
+    else:
+        cfg = step["config"]
+        medians = {(row["variant"], row["dtype"]): row["median_ms"] for row in step["rows"]}
+        rows = []
+        for how, plain, ours, torch_fn in _STEP_ROWS:
+            for dtype in STEP_DTYPE_ORDER:
+                if (ours, dtype) not in medians:
+                    continue
+                mine, base = medians[(ours, dtype)], medians.get((plain, dtype))
+                theirs = medians.get((torch_fn, dtype)) if torch_fn else None
+                ratios = [None if over is None else mine / over for over in (base, theirs)]
+                rows.append(
+                    [f"{how}, {dtype}", fmt(base, ".1f"), fmt(theirs, ".1f"), fmt(mine, ".1f")]
+                    + [fmt(ratio, ".2f") for ratio in ratios]
+                )
+        out += [
+            f"**GPU** (`make bench-gpu`: {step['device']}, torch {step['torch']}; every number: "
+            "[docs/performance_cuda_step.md](docs/performance_cuda_step.md)). A ResNet-50 training step ("
+            + ("" if cfg["width"] == 64 else f"at width {cfg['width']}, ")
+            + "batch "
+            f"{cfg['batch_size']}, {cfg['image_size']}×{cfg['image_size']}, channels_last, SGD), ms per step, with "
+            "each library's synchronization forced on a one-process NCCL group, as on several GPUs:",
+            "",
+            *_table(
+                ["step", "plain BatchNorm", "torch.nn.SyncBatchNorm", "syncbn_dist", "syncbn_dist / plain",
+                 "syncbn_dist / torch.nn.SyncBatchNorm"],
+                rows,
+            ),
+        ]
+    cases = [c for c in ((layer or {}).get("micro") or {}).get("cases", []) if _BASELINE in c["median_ms"]]
+    if cases:
+        machine = layer["machine"]
+        parts = []
+        for name, words in (("syncbn_dist", "native"), ("syncbn_dist compiled", "compiled")):
+            over_base = [c["median_ms"][name] / c["median_ms"][_BASELINE] for c in cases if name in c["median_ms"]]
+            over_torch = [
+                c["median_ms"][name] / c["median_ms"][TORCH_FUNCTION]
+                for c in cases
+                if name in c["median_ms"] and TORCH_FUNCTION in c["median_ms"]
+            ]
+            if over_base:
+                parts.append(
+                    f"syncbn_dist's {words} kernels take {_span(over_base)} plain BatchNorm plus the same all_reduces"
+                    + (f" and {_span(over_torch)} torch.nn.SyncBatchNorm's function" if over_torch else "")
+                )
+        out += [
+            "",
+            f"One BatchNorm layer, forward + backward, on one {', '.join(machine['cuda_devices'])} with torch "
+            f"{machine['torch']} ([docs/performance_cuda.md](docs/performance_cuda.md), "
+            f"{_count(len(cases), 'case')} of shape, dtype and layout): " + "; ".join(parts) + ".",
+        ]
+    return "\n".join(out) + "\n"
+
+
+def _why_no_steps(summary: dict[str, Any], skipped: list[str]) -> str:
+    """Why a report has no training-step table, in place of three empty ones."""
+    if skipped:
+        gpus = len(summary["machine"]["cuda_devices"])
+        return (
+            f"every scenario's world size was skipped ({', '.join(skipped)}): NCCL needs one GPU per rank, and "
+            f"this machine has {_count(gpus, 'GPU')}."
+        )
+    why = "no training-step scenario was asked for (`scenarios=[]`)"
+    if on_gpu(summary):
+        why += (
+            ": `make bench-gpu` runs the DDP scenarios nowhere, since NCCL needs one GPU per rank; its ResNet-50 "
+            "training step is the report of `python -m launch.bench.resnet50_step` (stage step)"
+        )
+    return why + "."
+
+
+def _step_sections(summary: dict[str, Any]) -> list[str]:
+    """The DDP training-step sections: step times against the in-step floor, every variant's counts, peak memory."""
+    out = [
         "## Training step: syncbn_dist against the in-step synchronization floor",
         "",
         "Median ms per DDP training step over interleaved rounds (slowest rank). (a) plain BatchNorm, (b) "
@@ -262,12 +404,53 @@ def markdown(summary: dict[str, Any]) -> str:
         "profiler's running total of bytes allocated during one step (CPU), or max_memory_allocated minus the "
         "bytes allocated before the step (CUDA).",
     ]
+    return out
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The report: step times, floors and overhead, ops, collectives, memory, microbenchmark, targets."""
+    machine = summary["machine"]
+    gpu = on_gpu(summary)
+    devices = ", ".join(machine["cuda_devices"])
+    out = [
+        f"# syncbn_dist performance on a GPU ({devices})" if gpu else "# syncbn_dist performance on CPU",
+        "",
+        ("Generated by `make bench-gpu` (launch/bench/gpu.sh, stage micro)" if gpu else "Generated by `make bench`")
+        + "; the only copy of these numbers. "
+        f"`{shown_command(summary['command'])}` on {machine['cpu']} ({machine['nproc']} CPUs), "
+        f"torch {machine['torch']}, Python {machine['python']}"
+        + (f", GPUs: {', '.join(machine['cuda_devices'])}" if machine["cuda_devices"] else ", no GPU")
+        + f". Load average at start {fmt(machine.get('loadavg_start', [None])[0], '.2f')}; "
+        f"bench took {machine.get('bench_seconds')} s.",
+        "",
+        "## Targets",
+        "",
+    ]
+    rows = [
+        [
+            t["id"],
+            t["description"],
+            fmt(t["measured"]),
+            fmt(t["bound"], "g"),
+            {True: "pass", False: "MISS", None: "–"}[t["passed"]],
+            t["detail"],
+        ]
+        for t in summary["targets"]
+    ]
+    out += _table(["target", "what", "measured", "bound", "status", "detail"], rows)
+    runs = [run for scenario in summary["scenarios"].values() for run in scenario["runs"]]
+    skipped = [f"{name} W={w}" for name, s in summary["scenarios"].items() for w in s["skipped_world_sizes"]]
+    if runs:
+        out += [""] + _step_sections(summary)
+    else:
+        out += ["", "## Training steps", "", "Not measured in this run: " + _why_no_steps(summary, skipped)]
     micro = summary["micro"]
     if micro:
         fns = list(dict.fromkeys(f for c in micro["cases"] for f in c["median_ms"]))
         out += [
             "",
-            f"## Microbenchmark: one layer forward+backward ({micro['device']}, {micro['threads']} thread(s))",
+            f"## Microbenchmark: one layer forward+backward ({micro['device']}"
+            + (")" if gpu else f", {_count(micro['threads'], 'intra-op thread')})"),
             "",
         ]
         moved = list(dict.fromkeys(f for c in micro["cases"] for f in c.get("bytes_per_element", {})))
@@ -306,7 +489,7 @@ def markdown(summary: dict[str, Any]) -> str:
                 "variant's outputs are refilled by page faults: with glibc's defaults the freed top of the heap goes "
                 "back to the OS on some calls and not others, which swung F.batch_norm's time up to 2x between runs.",
             ]
-        torch_fn = "torch SyncBatchNorm fn"
+        torch_fn = TORCH_FUNCTION
         beside_torch = any(torch_fn in c["median_ms"] for c in micro["cases"])
         rows = [
             [str(tuple(c["shape"])), c["dtype"], c["memory_format"], fmt(c.get("compiled_ratio"), ".2f"),
@@ -324,12 +507,9 @@ def markdown(summary: dict[str, Any]) -> str:
         if micro["device"] == "cpu":
             out += [
                 "",
-                "On CUDA the compiled kernels are the same source, compiled to Triton. `make bench-gpu` on a CUDA "
-                "machine runs the gpu tests on both kernel sets and this benchmark with `device=cuda`, beside "
-                "torch.nn.SyncBatchNorm's CUDA kernels; docs/performance_cuda.md is the last such run. There the "
-                "Triton kernels count exactly 8 activation accesses in every case (K3), and every variant's time is "
-                "host work per call; `python -m launch.bench.kernel_profile device=cuda` gives the kernels' device "
-                "time beside torch's (docs/design.md, \"CUDA\").",
+                "On CUDA the compiled kernels are the same source, compiled to Triton. `make bench-gpu` runs this "
+                "benchmark there with `device=cuda`, beside torch.nn.SyncBatchNorm's CUDA kernels, into "
+                "docs/performance_cuda.md; what has run on a GPU, and when: the README's \"What has run where\".",
             ]
         cost = micro.get("compile_cost")
         if cost:
