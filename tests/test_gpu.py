@@ -11,14 +11,19 @@ capture of a whole DDP training step replayed against the same step run eagerly.
 processes with CUDA tensors on GPU 0 (NCCL refuses two ranks on one device) run DDP with uneven and empty shards on
 both kernel sets, through convert_model, patch_sync_batchnorm and torch's patched nn.SyncBatchNorm, against float64
 BatchNorm on the concatenated batch.
+
+The README's quick start, as pasted, with one process per GPU (tests/readme_blocks.py).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import conv_bn_model
 import pytest
@@ -26,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from closeness import assert_close
+from readme_blocks import readme_blocks, run_blocks
 from resnet import resnet
 from torch.nn.parallel import DistributedDataParallel
 
@@ -394,3 +400,22 @@ def test_two_ranks_over_gloo_with_cuda_tensors_match_float64_batchnorm() -> None
         for how in ("convert_model", "patch_sync_batchnorm", "patch_torch_sync_batchnorm")
     }
     assert results == [expected, expected]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_readme_quick_start_runs_as_pasted_on_the_gpus(tmp_path: Path) -> None:
+    """The README's quick start with one process per GPU, as its text says (nccl): on one GPU a world of one, whose
+    layers have nothing to synchronize with ("local"); on several, NCCL across them ("distributed")."""
+    blocks = readme_blocks()
+    quick_start = blocks[: [block.kind for block in blocks].index("output") + 1]
+    gpus = torch.cuda.device_count()
+    launch, printed = quick_start[-2], quick_start[-1]
+    assert "--nproc_per_node=2 " in launch.text and "2 processes, BatchNorm: distributed" in printed.text
+    expected = f"{gpus} processes, BatchNorm: {'distributed' if gpus > 1 else 'local'}"
+    quick_start[-2:] = [
+        dataclasses.replace(launch, text=launch.text.replace("--nproc_per_node=2 ", f"--nproc_per_node={gpus} ")),
+        dataclasses.replace(printed, text=printed.text.replace("2 processes, BatchNorm: distributed", expected)),
+    ]
+    (ran,) = run_blocks(quick_start, tmp_path, Path(sys.executable).parent, timeout=240)  # checks the output block
+    assert f"on {expected}" in ran[1]

@@ -3,7 +3,8 @@
 The tests run against an editable install, which imports from the tree whatever pyproject.toml declares; only a
 built wheel shows what a user gets. The wheel is built without build isolation (setuptools is already in the venv;
 isolation would fetch it, and the dependency resolution could pull a CUDA torch), from a copy of the files git
-would put in a fresh clone, and installed with the running torch into a new venv that has no path to the tree.
+would put in a fresh clone, and installed with the running torch into a new venv that has no path to the tree. In
+that venv the README's runnable blocks run as a new user would paste them (tests/readme_blocks.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from readme_blocks import readme_blocks, run_blocks
 
 import syncbn_dist
 
@@ -93,3 +95,8 @@ def test_wheel_installed_outside_the_tree_imports_and_synchronizes(tmp_path: Pat
     # -I: no PYTHONPATH, no user site, not even the script's directory on sys.path.
     out = _run([python, "-I", script, str(ROOT), syncbn_dist.__version__], work, timeout=240)
     assert "2-rank gloo parity ok" in out
+
+    # A new user's path: the README's runnable blocks, unchanged, with this venv's python and torchrun first on PATH
+    # (the quick start under torchrun on 2 processes, then DataParallel on CPU replicas), outside the tree.
+    ran = run_blocks(readme_blocks(), tmp_path / "readme", venv / "bin", timeout=240)
+    assert "2 processes, BatchNorm: distributed" in ran[0][1]
