@@ -41,8 +41,10 @@ from .statistics import global_statistics
 
 __all__ = ["SyncBatchNormJoinable", "join_layers"]
 
-# Copies of the layers' process groups, by their ranks: created once per process (creating a group is collective).
+# Copies of the layers' process groups, by their ranks: created once per default process group (creating a group is
+# collective), and forgotten with it (a job that destroys its group and starts another gets new copies).
 _SESSION_GROUPS: dict[tuple[int, ...], Any] = {}
+_SESSION_GROUPS_WORLD: list[Any] = [None]
 
 
 def join_layers(model: nn.Module, join_process_group: Optional[Any] = None) -> SyncBatchNormJoinable:
@@ -190,6 +192,9 @@ def _session_groups(groups: list[Any], device: torch.device) -> dict[tuple[int, 
     for rank_groups in everyone:
         for ranks, timeout in rank_groups:
             wanted.setdefault(tuple(ranks), timeout)
+    if _SESSION_GROUPS_WORLD[0] is not dist.group.WORLD:
+        _SESSION_GROUPS.clear()
+        _SESSION_GROUPS_WORLD[0] = dist.group.WORLD
     for ranks in sorted(wanted):
         if ranks not in _SESSION_GROUPS:
             _SESSION_GROUPS[ranks] = dist.new_group(list(ranks), timeout=wanted[ranks])
