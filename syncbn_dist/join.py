@@ -25,6 +25,7 @@ listener's error if the ``Join`` fails after the active ranks disagreed.
 from __future__ import annotations
 
 import functools
+import weakref
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -45,6 +46,9 @@ __all__ = ["SyncBatchNormJoinable", "join_layers"]
 # collective), and forgotten with it (a job that destroys its group and starts another gets new copies).
 _SESSION_GROUPS: dict[tuple[int, ...], Any] = {}
 _SESSION_GROUPS_WORLD: list[Any] = [None]
+# Each model's joinable, for as long as the model lives (nothing of it is in the model's state: copies and pickles of
+# the model do not carry it).
+_JOINABLES: weakref.WeakKeyDictionary[nn.Module, SyncBatchNormJoinable] = weakref.WeakKeyDictionary()
 
 
 def join_layers(model: nn.Module, join_process_group: Optional[Any] = None) -> SyncBatchNormJoinable:
@@ -72,10 +76,9 @@ def join_layers(model: nn.Module, join_process_group: Optional[Any] = None) -> S
         RuntimeError: if ``torch.distributed`` is not initialized.
         ValueError: if ``model`` holds no synchronized layer.
     """
-    joinable = model.__dict__.get("_syncbn_dist_joinable")
+    joinable = _JOINABLES.get(model)
     if joinable is None:
-        joinable = SyncBatchNormJoinable(model, join_process_group)
-        model.__dict__["_syncbn_dist_joinable"] = joinable
+        joinable = _JOINABLES[model] = SyncBatchNormJoinable(model, join_process_group)
     return joinable
 
 
@@ -92,8 +95,8 @@ class SyncBatchNormJoinable(Joinable):
         self._process_group = dist.group.WORLD if join_process_group is None else join_process_group
         self._device = _layers_device(self._layers, self._process_group)
         self._sessions = self._bind_layers()
-        self._model = model
-        model.register_forward_pre_hook(self._start_of_forward)
+        self._model = weakref.ref(model)
+        model.register_forward_pre_hook(_ForwardHeader(self))
 
     def _bind_layers(self) -> list[JoinSession]:
         """One session per distinct group of the layers, on a copy of that group; give each layer its transport."""
@@ -128,9 +131,9 @@ class SyncBatchNormJoinable(Joinable):
     def join_process_group(self) -> Any:
         return self._process_group
 
-    def _start_of_forward(self, module: nn.Module, args: Any) -> None:
+    def _start_of_forward(self, module: nn.Module) -> None:
         # DataParallel replicas of the model share its hooks: the forward of the model itself counts, once.
-        if not self._join_config.enable or module is not self._model or not module.training:
+        if not self._join_config.enable or module is not self._model() or not module.training:
             return
         if self._join_config.is_first_joinable:  # no other joinable sends Join's per-step notification
             Join.notify_join_context(self)
@@ -155,6 +158,24 @@ class SyncBatchNormJoinable(Joinable):
                 _update_running_stats(
                     layer.running_mean, layer.running_var, stats[0], stats[2], layer._momentum_factor()
                 )
+
+
+class _ForwardHeader:
+    """The model's forward pre-hook that starts each training forward with the header; a copy of the model
+    (``copy.deepcopy``, pickling) gets an inert one, as its layers get no join binding."""
+
+    def __init__(self, joinable: Optional[SyncBatchNormJoinable]) -> None:
+        self._joinable = joinable
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if self._joinable is not None:
+            self._joinable._start_of_forward(module)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _ForwardHeader:
+        return _ForwardHeader(None)
+
+    def __reduce__(self) -> tuple[Any, tuple[None]]:
+        return (_ForwardHeader, (None,))
 
 
 class _LayersJoinHook(JoinHook):

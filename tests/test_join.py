@@ -8,6 +8,8 @@ order changes from step to step is served exactly; active ranks at different lay
 
 from __future__ import annotations
 
+import copy
+import io
 from typing import Any, Optional
 
 import pytest
@@ -80,6 +82,9 @@ def _train_uneven(rank: int, world_size: int, counts: list[int], setup: dict[str
         joinable = join_layers(wrapped if setup.get("join_outer") else model)
         joinables = [joinable, wrapped] if setup.get("ours_first") else [wrapped, joinable]
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    # Copies and pickles of the model (an EMA copy, torch.save) leave the Join behind and are plain layers.
+    copy.deepcopy(model).train()(torch.randn(2, 3, 3, 2))
+    torch.save(model, io.BytesIO())
     records = []
     join = Join(joinables if setup["ddp"] else [joinable])
     assert any(isinstance(j, SyncBatchNormJoinable) for j in join._joinables)
