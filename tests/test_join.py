@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
+from launch.common.counting import CollectiveCounter
 from launch.common.spawn import run_distributed
 from syncbn_dist import DataParallelWithCallback, SyncBatchNormJoinable, convert_model, join_layers
 
@@ -246,3 +247,29 @@ def test_active_ranks_at_different_layers_raise_on_every_rank() -> None:
     for rank, result in enumerate(results):
         assert result["error"] == "LayerMismatchError", (rank, result)
         assert "different synchronized layers" in result["message"]
+
+
+def _count_worker(rank: int, world_size: int) -> list[dict[str, int]]:
+    """Rank 1's collectives per step, by group, with rank 0 joined from step 1 on (no DDP: only the layers')."""
+    model = convert_model(_net())
+    joinable = join_layers(model)
+    per_step = []
+    with Join([joinable]):
+        for x, _ in _batches(rank, [1, 3]):
+            with CollectiveCounter() as counter:
+                model(x.float()).sum().backward()
+            calls = [c for c in counter.calls if c["op"] == "all_reduce"]
+            per_step.append({group: sum(c["group"] == group for c in calls) for group in ("world", "other")})
+    return per_step
+
+
+def test_collectives_per_step_a_header_then_a_control_before_each_while_a_rank_has_joined() -> None:
+    """Two layers, one all_reduce each per direction on the layers' own group ("other"); Join's notification on
+    the world group (our joinable alone is first). Every step adds one header; while rank 0 has joined, each of
+    the four collectives gets a control before it."""
+    per_step = run_distributed(_count_worker, 2)[1]
+    assert per_step == [
+        {"world": 1, "other": 1 + 4},
+        {"world": 1, "other": 1 + 2 * 4},
+        {"world": 1, "other": 1 + 2 * 4},
+    ]
