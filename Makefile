@@ -61,8 +61,10 @@ train-multinode: install
 
 # One intra-op thread per test process: xdist workers and the gloo ranks they spawn share the cores. worksteal: a
 # worker that runs out of tests takes some of the other's, so a few minute-long tests do not leave one core idle.
+# The run ends with its slowest tests, and the unmarked ones over the test budget (pyproject.toml, test_budget_s).
+# Multi-process tests share long-lived gloo worlds (docs/testing.md); SYNCBN_DIST_TEST_POOL=0 spawns every job afresh.
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(NPROC) --dist worksteal tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(NPROC) --dist worksteal --durations=25 tests
 
 # Not part of CI. torch is pinned while the project installs, so pip fails rather than replace it.
 compat:

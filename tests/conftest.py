@@ -1,14 +1,16 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures and hooks: the pooled gloo worlds, the kernel set, the test budget."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
+from launch.common.spawn import pooled_worlds
 from syncbn_dist.kernels import KERNELS_ENV
 
 # The suite runs the native kernels unless a test asks for the compiled ones (the ``kernel_mode`` fixture): every
@@ -18,8 +20,13 @@ from syncbn_dist.kernels import KERNELS_ENV
 os.environ.setdefault(KERNELS_ENV, "native")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini("test_budget_s", "seconds of wall time (2 cores) a test may take without the over_budget marker")
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Write yapf's grammar cache once, in the process that starts the xdist workers, before it starts them.
+    """Write yapf's grammar cache once, in the process that starts the xdist workers, before it starts them; and
+    account there for the run's cost (:class:`_SuiteCost`).
 
     yapf (imported by mmengine and mmcv) writes its grammar pickle to the user cache on its first import after an
     install, in place; two processes importing it together (two ranks of tests/test_torch_patch.py in a fresh venv)
@@ -28,6 +35,79 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     if not hasattr(config, "workerinput") and importlib.util.find_spec("yapf") is not None:
         import yapf.yapflib.yapf_api  # noqa: F401  (mmengine's import: it loads the grammars, writing the cache)
+    if not hasattr(config, "workerinput"):  # the process that writes the summary (xdist's controller)
+        config.pluginmanager.register(_SuiteCost(float(config.getini("test_budget_s"))), _SUITE_COST)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test marked over_budget gives a reason and a docstring that says why it needs the time."""
+    for item in items:
+        marker = item.get_closest_marker("over_budget")
+        if marker is not None and not (marker.args and getattr(getattr(item, "function", None), "__doc__", None)):
+            raise pytest.UsageError(f"{item.nodeid}: over_budget needs a reason, and the test a docstring saying why")
+
+
+_SUITE_COST = "syncbn-dist-suite-cost"
+
+
+class _SuiteCost:
+    """What the run cost, reported at its end (registered in the process that writes the summary: xdist's controller).
+
+    The test budget (pyproject.toml's ``test_budget_s``, wall seconds on 2 cores): a test that takes longer is marked
+    ``@pytest.mark.over_budget("reason")`` and says why in its docstring. An unmarked test over budget is listed, not
+    failed: a test's time depends on the machine's load; speed is what the benchmarks measure, the tests check
+    correctness. Also listed: the jobs the pooled gloo ranks ran, and the rank processes spawned for them.
+    """
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget_s = budget_s
+        self.over: list[tuple[float, str]] = []
+        self.worlds: list[dict[str, Any]] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" and report.duration > self.budget_s and "over_budget" not in report.keywords:
+            self.over.append((report.duration, report.nodeid))
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:  # an xdist worker's pool statistics
+        if "worlds" in getattr(node, "workeroutput", {}):
+            self.worlds.append(node.workeroutput["worlds"])
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        jobs = sum(w["jobs"] for w in self.worlds)
+        if jobs:
+            spawned, evicted = (sum(w[key] for w in self.worlds) for key in ("spawned", "evicted"))
+            retired = sorted({reason for w in self.worlds for reason in w["retired"]})
+            terminalreporter.write_line(
+                f"pooled gloo ranks: {jobs} jobs on {spawned} rank processes ({evicted} ended to make room, "
+                f"{sum(len(w['retired']) for w in self.worlds)} retired{': ' if retired else ''}{'; '.join(retired)})"
+            )
+        if self.over:
+            terminalreporter.section(f"unmarked tests over the {self.budget_s:g} s test budget", yellow=True)
+            for duration, nodeid in sorted(self.over, reverse=True):
+                terminalreporter.line(f"{duration:.1f}s {nodeid}: mark it over_budget, saying why, or make it leaner")
+
+
+# SYNCBN_DIST_TEST_POOL=0: every multi-process test spawns its ranks afresh, as outside the suite (to tell a pooled
+# world's leftover state from a real failure).
+POOL_ENV = "SYNCBN_DIST_TEST_POOL"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _pooled_worlds(pytestconfig: pytest.Config) -> Iterator[None]:
+    """Multi-process tests share long-lived gloo ranks (launch.common.worlds): each rank process imports torch and
+    syncbn_dist once per session, not once per test; each job still gets a process group of its own, and what it
+    changes in a rank is put back. The ranks exit at the end of the session (of each xdist worker)."""
+    if os.environ.get(POOL_ENV, "1") == "0":
+        yield
+        return
+    with pooled_worlds() as pool:
+        yield
+    stats = {"jobs": pool.jobs, "spawned": pool.spawned, "evicted": pool.evicted, "retired": pool.retired}
+    if hasattr(pytestconfig, "workerinput"):
+        pytestconfig.workeroutput["worlds"] = stats  # type: ignore[attr-defined]  (xdist sends it to the controller)
+    else:
+        pytestconfig.pluginmanager.get_plugin(_SUITE_COST).worlds.append(stats)
 
 
 # World sizes 2 and 3 on the native kernels and 2 on the compiled ones, for the costliest gloo suites: world size 2

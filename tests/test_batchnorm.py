@@ -615,4 +615,5 @@ def _worker_nccl(rank: int, world_size: int) -> int:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices for an NCCL group")
 def test_nccl_matches_batchnorm_on_global_batch() -> None:
-    assert run_distributed(_worker_nccl, 2, timeout=180) == [3, 3]
+    # Fresh ranks: each takes a GPU and an NCCL group, which a pooled CPU world should not carry into later jobs.
+    assert run_distributed(_worker_nccl, 2, timeout=180, fresh=True) == [3, 3]

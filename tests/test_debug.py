@@ -112,9 +112,10 @@ def test_debug_mode_names_the_layers_on_each_rank() -> None:
 
 @pytest.mark.distributed
 def test_debug_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Spawned workers inherit the environment and read SYNCBN_DEBUG when syncbn_dist is imported.
+    # Spawned workers inherit the environment and read SYNCBN_DEBUG when syncbn_dist is imported: fresh ones, which
+    # import it with this environment.
     monkeypatch.setenv("SYNCBN_DEBUG", "1")
-    run_distributed(_debug_mode_checks_every_call, 2, True)
+    run_distributed(_debug_mode_checks_every_call, 2, True, fresh=True)
 
 
 def _dead_peer_times_out(rank: int, world_size: int, rank0_done: str) -> float:
@@ -143,7 +144,8 @@ def test_a_peer_that_never_arrives_raises_after_the_process_group_timeout(tmp_pa
     # The collective timeout given to init_process_group (3 s here) bounds the wait: rank 0 gets gloo's timeout
     # error instead of hanging; the launcher's own 60 s limit would fail the test if it hung.
     done = str(tmp_path / "rank0_done")
-    elapsed, _ = run_distributed(_dead_peer_times_out, 2, done, timeout=60, collective_timeout=3)
+    # Fresh ranks: a group whose collective timed out is not one to hand to the next test.
+    elapsed, _ = run_distributed(_dead_peer_times_out, 2, done, timeout=60, collective_timeout=3, fresh=True)
     assert elapsed >= 2.0  # it did wait for the peer first: the error is the timeout, not something else
 
 

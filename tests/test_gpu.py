@@ -393,7 +393,10 @@ def test_two_ranks_over_gloo_with_cuda_tensors_match_float64_batchnorm() -> None
     native ops, its peer the compiled kernels: members may differ in mode), through convert_model, the
     patch_sync_batchnorm block and torch's patched nn.SyncBatchNorm, each equal to float64 BatchNorm on the
     concatenated batch. The compiled kernels compile to Triton in each rank (tens of seconds)."""
-    results = run_distributed(_worker_gloo_cuda, 2, timeout=420, collective_timeout=180, backend="gloo")
+    # Fresh ranks: CUDA state (contexts, compiled Triton kernels) stays out of the pooled CPU worlds.
+    results = run_distributed(
+        _worker_gloo_cuda, 2, timeout=420, collective_timeout=180, backend="gloo", fresh=True
+    )
     expected = {
         f"{mode}/{how}": len(GLOO_CUDA_SPLITS)
         for mode in ("native", "compiled")

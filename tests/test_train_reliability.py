@@ -425,7 +425,10 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step_and_resume_is_exac
     steps = (1437 // 2) // 16  # DistributedSampler(drop_last) shards of the 1,437 training images
     signal_at = steps + 5  # rank 1 gets SIGTERM during its 5th step of epoch 2
     # A rank that stopped alone would leave the other in a collective: collective_timeout bounds that hang.
-    results = run_distributed(_stop_one_rank_worker, 2, str(tmp_path), signal_at, timeout=240, collective_timeout=30)
+    # Fresh ranks: rank 1 signals itself and the job installs signal handlers.
+    results = run_distributed(
+        _stop_one_rank_worker, 2, str(tmp_path), signal_at, timeout=240, collective_timeout=30, fresh=True
+    )
     for variant, sync_bn in enumerate(("true", "false")):
         assert [r[variant]["status"] for r in results] == [0, 0]  # both stopped cleanly
         assert [r[variant]["forwards"] for r in results] == [signal_at, signal_at]  # after the same step

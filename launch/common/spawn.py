@@ -8,17 +8,21 @@ Usage::
 
     results = run_distributed(_worker, 2, (4, 3))             # every rank's return value, by rank
 
-Each worker runs in a fresh spawned process with the default process group initialized (gloo, or nccl with one
-GPU per rank; file:// rendezvous in a private temp dir, so no port races), ``threads`` intra-op threads, and a
-collective timeout. A worker exception raises in the caller with the worker's traceback; a hang is killed after
-``timeout``. The benchmark spawns its workers this way instead of running under torchrun because one command
-measures several world sizes.
+Each worker runs with the default process group initialized (gloo, or nccl with one GPU per rank; file://
+rendezvous in a private temp dir, so no port races), ``threads`` intra-op threads, and a collective timeout. A worker
+exception raises in the caller with the worker's traceback; a hang is killed after ``timeout``. The benchmark spawns
+its workers this way instead of running under torchrun because one command measures several world sizes.
+
+By default every call spawns fresh processes. Inside :func:`pooled_worlds` (the test suite's session, see
+tests/conftest.py) gloo jobs run in long-lived rank processes instead (:mod:`launch.common.worlds`), each job on a
+process group of its own and each rank's state put back after it; ``fresh=True`` keeps a job on fresh processes.
 
 Jobs started as subprocesses under torchrun get :func:`launch.common.torchrun.env_outside_torchrun`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -26,12 +30,51 @@ import pickle
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+if TYPE_CHECKING:
+    from .worlds import WorldPool
+
+# The pool of long-lived worlds that run_distributed uses, while pooled_worlds() is active; None: fresh processes.
+_POOL: Optional[WorldPool] = None
+
+
+def run_on_group(
+    worker: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    init_file: str,
+    args: tuple[Any, ...],
+    collective_timeout: float,
+    backend: str,
+    threads: int,
+) -> Any:
+    """``worker(rank, world_size, *args)`` in this process, on a default process group set up for it and torn down
+    after it (whether it returns or raises)."""
+    torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=collective_timeout),
+    )
+    try:
+        return worker(rank, world_size, *args)
+    finally:
+        # Compiled code's caches hold the process group: release them and collect what they leave first
+        # (docs/compile.md, "Exiting a compiled job").
+        torch._dynamo.reset()
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def _entry(
@@ -45,30 +88,34 @@ def _entry(
     backend: str,
     threads: int,
 ) -> None:
-    torch.set_num_threads(threads)
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend,
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=collective_timeout),
-        )
-        try:
-            value = worker(rank, world_size, *args)
-        finally:
-            # Compiled code's caches hold the process group: release them and collect what they leave first
-            # (docs/compile.md, "Exiting a compiled job").
-            torch._dynamo.reset()
-            gc.collect()
-            dist.destroy_process_group()
+        value = run_on_group(worker, rank, world_size, init_file, args, collective_timeout, backend, threads)
         # Plain pickle bytes, not torch's shared-memory tensor sharing: a worker's tensors would otherwise be
         # received through file descriptors of a process that may already have exited.
         results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: B036 - reported to the parent, which fails the test
         results.put((rank, False, traceback.format_exc()))
+
+
+def job_results(
+    reports: dict[int, tuple[bool, Any]], world_size: int, hung: bool, timeout: Optional[float], exit_codes: Any
+) -> list[Any]:
+    """The ranks' return values, by rank, from their ``(ok, pickled value or traceback)`` reports.
+
+    Raises:
+        AssertionError: with every failing rank's traceback, or naming the ranks that died without a report.
+        TimeoutError: if ``hung`` (some ranks were still running at the deadline, and were killed).
+    """
+    failures = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(reports.items()) if not ok]
+    if failures:
+        raise AssertionError("distributed worker(s) failed:\n" + "\n".join(failures))
+    if hung:
+        raise TimeoutError(f"distributed workers did not finish within {timeout} s (ranks reported: {sorted(reports)})")
+    missing = [rank for rank in range(world_size) if rank not in reports]
+    if missing:
+        codes = {rank: exit_codes(rank) for rank in missing}
+        raise AssertionError(f"distributed worker(s) {missing} died without a report (exit codes {codes})")
+    return [pickle.loads(reports[rank][1]) for rank in range(world_size)]
 
 
 def run_distributed(
@@ -79,6 +126,7 @@ def run_distributed(
     collective_timeout: float = 60.0,
     backend: str = "gloo",
     threads: int = 1,
+    fresh: bool = False,
 ) -> list[Any]:
     """Run ``worker(rank, world_size, *args)`` in ``world_size`` processes; return their results by rank.
 
@@ -89,11 +137,16 @@ def run_distributed(
         collective_timeout: seconds a collective may wait before it raises (the process group's timeout).
         backend: "gloo", or "nccl" with GPU ``rank`` for each rank.
         threads: intra-op threads per process.
+        fresh: spawn new processes even inside :func:`pooled_worlds`: for a job that must own its processes (it
+            signals or hangs a rank, or asserts what only a new process shows: import-time environment, first
+            compilations). Jobs of other backends than gloo always run fresh.
 
     Raises:
         AssertionError: with every failing rank's traceback if any worker raised or exited abnormally.
         TimeoutError: if the workers did not all finish within ``timeout`` seconds (they are killed).
     """
+    if _POOL is not None and not fresh and backend == "gloo":
+        return _POOL.run(worker, world_size, args, timeout, collective_timeout, threads)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,13 +176,25 @@ def run_distributed(
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    failures = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(reports.items()) if not ok]
-    if failures:
-        raise AssertionError("distributed worker(s) failed:\n" + "\n".join(failures))
-    if hung:
-        raise TimeoutError(f"distributed workers did not finish within {timeout} s (ranks reported: {sorted(reports)})")
-    missing = [rank for rank in range(world_size) if rank not in reports]
-    if missing:
-        codes = {rank: procs[rank].exitcode for rank in missing}
-        raise AssertionError(f"distributed worker(s) {missing} died without a report (exit codes {codes})")
-    return [pickle.loads(reports[rank][1]) for rank in range(world_size)]
+    return job_results(reports, world_size, hung, timeout, lambda rank: procs[rank].exitcode)
+
+
+@contextlib.contextmanager
+def pooled_worlds(max_ranks: int = 8) -> Iterator[WorldPool]:
+    """Within the block, :func:`run_distributed` runs gloo jobs on long-lived rank processes
+    (:class:`worlds.WorldPool`); on leaving it, they exit. For test suites: a benchmark keeps fresh processes.
+
+    Args:
+        max_ranks: the most rank processes alive at once (several sets where jobs' environments differ); the least
+            recently used set exits to make room.
+    """
+    from .worlds import WorldPool
+
+    global _POOL
+    pool, previous = WorldPool(max_ranks), _POOL
+    _POOL = pool
+    try:
+        yield pool
+    finally:
+        _POOL = previous
+        pool.close()
