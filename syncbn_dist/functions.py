@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.autograd import Function, forward_ad
 
 from . import kernels
-from .kernels import _channel_shape, _stat_dtype, _values_per_channel
+from .kernels import _channel_shape, _stat_dtype
 from .native import (
     _as_stat,
     _batch_norm_inference,
@@ -48,6 +48,8 @@ from .statistics import (
     _COMBINE_DTYPE,
     LEAN_MIN_NUMEL,
     _checked_count,
+    _global_statistics_as,
+    _local_payload,
     combine_moments,
     global_statistics,
     local_moments,
@@ -86,12 +88,6 @@ class Transport(Protocol):
     def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None: ...
 
 
-
-
-
-
-
-
 def _apply(function: type[Function], *args: Any) -> Any:
     """``function.apply(*args)``, every argument given, without torch's per-call wrapper work where it has none to do.
 
@@ -107,18 +103,21 @@ def _apply(function: type[Function], *args: Any) -> Any:
     return super(Function, function).apply(*args)  # the C++ torch._C._FunctionBase.apply
 
 
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 def _functorch_wrapped(arg: Any) -> bool:
-    return isinstance(arg, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(arg)
+    return isinstance(arg, Tensor) and _is_functorch_wrapped(arg)
 
 
 class _SyncBatchNormFunction(Function):
     """input -> output with global statistics, one collective per direction (the ``sum_`` transports).
 
-    Forward returns the output, then the statistics in the statistics dtype, all non-differentiable: the mean and
-    the unbiased variance (for the running statistics), the normalizing variance and the (1,) float64 global count
-    (for backward). Weight and bias gradients are the local sums: DistributedDataParallel averages parameter
-    gradients over ranks, as with ``torch.nn.SyncBatchNorm``. Written with ``setup_context``, so that the
-    ``torch.func`` transforms (``jvp``, ``grad``, ``vjp``) can run it.
+    Forward returns the output, then, all non-differentiable: the mean and the unbiased variance (running
+    statistics), the normalizing variance, the (1,) float64 global count and an empty float64 tensor (for backward,
+    whose ``torch.cat`` of the payload it casts to float64). Weight and bias gradients are the local sums: DDP
+    averages parameter gradients over ranks, as with ``torch.nn.SyncBatchNorm``. Written with ``setup_context``, so
+    that the ``torch.func`` transforms (``jvp``, ``grad``, ``vjp``) can run it.
     """
 
     @staticmethod
@@ -129,42 +128,44 @@ class _SyncBatchNormFunction(Function):
         eps: float,
         eps_mode: str,
         transport: Any,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        group_name = _compiled_group_name(input, transport)
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        compiling = is_compiling()
+        group_name = _compiled_group_name(input, transport, compiling)
         if group_name is not _NATIVE:  # payload, all_reduce and normalize: one compiled region, or the user's graph
             output, mean, unbiased_var, var, count = kernels.layer_forward(
                 input, weight, bias, eps, eps_mode == "clip", group_name
             )
             _checked_count(count, input)
-            return output, mean, unbiased_var, var, count
-        total = transport.sum_(local_payload(input))
+            return output, mean, unbiased_var, var, count, count.new_empty(0)
+        total = transport.sum_(_local_payload(input, compiling))
         _checked_count(total, input)
-        stats, count = global_statistics(total)
-        mean, var, unbiased_var = stats.to(_stat_dtype(input)).unbind()
-        var = _normalizing_var(var, eps, eps_mode)
-        output = _batch_norm_inference(input, _as_stat(weight, mean), _as_stat(bias, mean), mean, var, eps)
-        return output, mean, unbiased_var, var, count
+        mean, var, unbiased_var, count, empty = _global_statistics_as(total, _stat_dtype(input))
+        if eps_mode != "plus":
+            var = _normalizing_var(var, eps, eps_mode)
+        if (weight is not None and weight.dtype != mean.dtype) or (bias is not None and bias.dtype != mean.dtype):
+            weight, bias = _as_stat(weight, mean), _as_stat(bias, mean)  # (tested inline: this runs every forward)
+        output = _batch_norm_inference(input, weight, bias, mean, var, eps)
+        return output, mean, unbiased_var, var, count, empty
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
         input, weight, _, eps, eps_mode, transport = inputs
-        _, mean, unbiased_var, var, count = output
+        _, mean, unbiased_var, var, count, empty = output
         ctx.eps, ctx.eps_mode, ctx.transport = eps, eps_mode, transport
         # "clip": a channel whose variance was below eps normalizes by eps, eps - eps = 0 as the kernels see it.
         ctx.clipped = None if eps_mode == "plus" else var == 0.0
-        ctx.save_for_backward(input, weight, mean, var, count)
-        ctx.save_for_forward(input, weight, mean, var, count)
-        ctx.mark_non_differentiable(mean, unbiased_var, var, count)
+        ctx.save_for_backward(input, weight, mean, var, count, empty)
+        ctx.mark_non_differentiable(mean, unbiased_var, var, count, empty)
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor, *_: None) -> tuple[Any, ...]:
-        input, weight, mean, var, count = ctx.saved_tensors
+        input, weight, mean, var, count, empty = ctx.saved_tensors
         if torch.is_grad_enabled():  # backward(create_graph=True): record a graph that can be differentiated again
             return (*_recorded_backward(ctx, grad_output, input, weight, mean, count), None, None, None)
         grad_output = _like_input(grad_output, input)
         needs = ctx.needs_input_grad
-        group_name = _compiled_group_name(input, ctx.transport)
+        group_name = _compiled_group_name(input, ctx.transport, is_compiling())
         if group_name is not _NATIVE:  # reductions, all_reduce and grad_input in one compiled region
             grad_input, sum_dy_xhat, sum_dy = kernels.layer_backward(
                 grad_output, input, weight, mean, var, count, ctx.eps, ctx.eps_mode == "clip", group_name, needs[0]
@@ -173,32 +174,38 @@ class _SyncBatchNormFunction(Function):
             grad_weight = sum_dy_xhat.to(param_dtype) if needs[1] else None
             grad_bias = sum_dy.to(param_dtype) if needs[2] else None
             return grad_input, grad_weight, grad_bias, None, None, None
-        sum_dy, sum_dy_xhat = _local_reductions(grad_output, input, weight, mean, var, ctx.eps)
-        # One collective of 2C float64 values; weight and bias keep the local sums (DDP averages them).
-        reductions = ctx.transport.sum_(torch.cat([sum_dy, sum_dy_xhat]).to(_COMBINE_DTYPE))
+        invstd = torch.rsqrt(var + ctx.eps) if input.is_cuda else None  # the CUDA kernels take it, computed once
+        sum_dy, sum_dy_xhat = _local_reductions(grad_output, input, weight, mean, var, ctx.eps, invstd)
+        # One collective of 2C float64 values (the empty float64 tensor makes the cat's result float64); weight and
+        # bias keep the local sums (DDP averages them).
+        reductions = ctx.transport.sum_(torch.cat([sum_dy, sum_dy_xhat, empty]))
         grad_input = None
-        if ctx.needs_input_grad[0]:
-            grad_input = _grad_input(grad_output, input, weight, mean, var, count, reductions, ctx.eps, ctx.clipped)
-        grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = sum_dy.to(weight.dtype if weight is not None else mean.dtype) if ctx.needs_input_grad[2] else None
-        return grad_input, grad_weight, grad_bias, None, None, None
+        if needs[0]:
+            grad_input = _grad_input(
+                grad_output, input, weight, mean, var, count, reductions, ctx.eps, ctx.clipped, invstd
+            )
+        param_dtype = mean.dtype if weight is None else weight.dtype
+        if param_dtype != mean.dtype:  # e.g. float32 statistics of float16 activations with float16 parameters
+            sum_dy_xhat, sum_dy = sum_dy_xhat.to(param_dtype), sum_dy.to(param_dtype)
+        return grad_input, sum_dy_xhat if needs[1] else None, sum_dy if needs[2] else None, None, None, None
 
 
 # _compiled_group_name's answer when the native ops run.
 _NATIVE = object()
 
 
-def _compiled_group_name(input: Tensor, transport: Any) -> Any:
+def _compiled_group_name(input: Tensor, transport: Any, compiling: bool) -> Any:
     """The process group name the compiled regions reduce over (None for a group of one), or ``_NATIVE`` where the
-    native ops run: the transport has no group the regions can name, or, in eager mode, the kernel switch says so.
+    native ops run: the transport has no group the regions can name, or, in eager mode (``compiling`` False: the
+    caller's :func:`is_compiling`), the kernel switch says so.
 
     Under a user's ``torch.compile`` the regions' source is what the graph holds, on every device (the
-    decomposable math of :mod:`syncbn_dist.kernels`, no aten batch-norm op), whatever the switch says.
+    decomposable math of :mod:`syncbn_dist.kernels`, no aten batch-norm op), whatever the switch says. In eager
+    mode the switch is read first: with the native kernels nothing else is looked up.
     """
-    group_name = getattr(transport, "group_name", _NATIVE)
-    if group_name is _NATIVE or not (is_compiling() or _takes_compiled_kernels(input)):
+    if not compiling and not (kernels.use_compiled(input) and not _forward_ad_active()):
         return _NATIVE
-    return group_name
+    return getattr(transport, "group_name", _NATIVE)
 
 
 def _takes_compiled_kernels(input: Tensor) -> bool:
@@ -215,8 +222,14 @@ class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
     """
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+        _SyncBatchNormFunction.setup_context(ctx, inputs, output)
+        _, mean, _, var, count, _ = output
+        ctx.save_for_forward(inputs[0], inputs[1], mean, var, count)
+
+    @staticmethod
     def jvp(ctx: Any, input_tangent: Optional[Tensor], weight_tangent: Optional[Tensor],
-            bias_tangent: Optional[Tensor], *_: Any) -> tuple[Optional[Tensor], None, None, None, None]:
+            bias_tangent: Optional[Tensor], *_: Any) -> tuple[Optional[Tensor], None, None, None, None, None]:
         """Forward-mode AD: the output's tangent over the global batch, with one collective of 2C float64 values.
 
         The Jacobian of the output in the input is ``weight * invstd * (I - 1 1^T / N - x_hat x_hat^T / N)`` per
@@ -238,14 +251,17 @@ class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
                 mean, var, ctx.eps,
             )
             tangent = affine if tangent is None else tangent + affine
-        return tangent, None, None, None, None
+        return tangent, None, None, None, None, None
 
 
 def _forward_ad_active() -> bool:
     """Whether a ``torch.autograd.forward_ad.dual_level`` or a ``torch.func`` transform is active (eager only)."""
-    return not is_compiling() and (
-        forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None
-    )
+    return not is_compiling() and _forward_ad_level_active()
+
+
+def _forward_ad_level_active() -> bool:
+    """:func:`_forward_ad_active` for a caller that knows it is not being traced."""
+    return forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def _recorded_backward(
@@ -482,8 +498,6 @@ def _recorded_normalize_backward(ctx: Any, grad_output: Tensor) -> list[Optional
     return [next(found) if need else None for need in ctx.needs_input_grad[:4]]
 
 
-
-
 def _update_running_stats(
     running_mean: Tensor, running_var: Tensor, mean: Tensor, unbiased_var: Tensor, momentum: Union[float, Tensor]
 ) -> None:
@@ -534,21 +548,31 @@ def sync_batch_norm(
     Raises:
         ValueError: if the global count per channel is 1 (raised on every member, which all see that count).
     """
-    if hasattr(transport, "sum_"):
-        function = _SyncBatchNormForwardAD if _forward_ad_active() else _SyncBatchNormFunction
-        output, mean, unbiased_var, _, _ = _apply(function, input, weight, bias, eps, eps_mode, transport)
-    else:
+    if not hasattr(transport, "sum_"):
         output, mean, unbiased_var = _sync_batch_norm_differentiable(input, weight, bias, eps, eps_mode, transport)
+    elif is_compiling():
+        output, mean, unbiased_var, *_ = _SyncBatchNormFunction.apply(input, weight, bias, eps, eps_mode, transport)
+    elif _forward_ad_level_active():  # a dual level or a torch.func transform: Function.apply handles both
+        output, mean, unbiased_var, *_ = _SyncBatchNormForwardAD.apply(input, weight, bias, eps, eps_mode, transport)
+    elif _is_functorch_wrapped(input) or (weight is not None and _is_functorch_wrapped(weight)) or (
+        bias is not None and _is_functorch_wrapped(bias)
+    ):
+        output, mean, unbiased_var, *_ = _SyncBatchNormFunction.apply(input, weight, bias, eps, eps_mode, transport)
+    else:  # every argument given, nothing for Function.apply's checks to do: see _apply
+        output, mean, unbiased_var, *_ = super(Function, _SyncBatchNormFunction).apply(
+            input, weight, bias, eps, eps_mode, transport
+        )
     if running_mean is not None and running_var is not None:
-        with torch.no_grad():
-            if _values_per_channel(input) <= 1:  # the global batch may be empty: then the buffers keep their values
-                if is_compiling():  # no host read inside a graph: select per channel instead
-                    empty = mean.isnan()
-                    mean = torch.where(empty, running_mean, mean)
-                    unbiased_var = torch.where(empty, running_var, unbiased_var)
-                elif mean.numel() and bool(mean[0].isnan()):
-                    return output
-            _update_running_stats(running_mean, running_var, mean, unbiased_var, momentum)
+        # No grad mode to set: the statistics are non-differentiable outputs (or made under no_grad), the buffers
+        # never require grad.
+        if input.numel() <= input.size(1):  # <= 1 value per channel: the global batch may be empty (buffers kept)
+            if is_compiling():  # no host read inside a graph: select per channel instead
+                empty = mean.isnan()
+                mean = torch.where(empty, running_mean, mean)
+                unbiased_var = torch.where(empty, running_var, unbiased_var)
+            elif mean.numel() and bool(mean[0].isnan()):
+                return output
+        _update_running_stats(running_mean, running_var, mean, unbiased_var, momentum)
     return output
 
 
@@ -566,8 +590,7 @@ def _sync_batch_norm_differentiable(
     (total,) = transport.all_reduce([payload])
     _checked_count(total.detach(), input)
     with torch.no_grad():
-        stats, _ = global_statistics(total)
-        mean, var, unbiased_var = stats.to(_stat_dtype(input)).unbind()
+        mean, var, unbiased_var, _, _ = _global_statistics_as(total, _stat_dtype(input))
         clipped = None if eps_mode == "plus" else var < eps
         var = _normalizing_var(var, eps, eps_mode)
         link.mean, link.var, link.eps = mean, var, eps

@@ -102,14 +102,14 @@ def use_compiled(input: Tensor) -> bool:
     Raises:
         RuntimeError: in ``"compiled"`` mode, where inductor cannot build kernels for the input's device.
     """
-    # A shard of at most one value per channel needs the native path's count check (a host read). torch.compile
-    # refuses to run under a TorchDispatchMode (an op counter, FlopCounterMode): those see the native ops.
-    if is_compiling() or input.size(1) == 0 or _values_per_channel(input) < 2 or _dispatch_mode_active():
-        return False
-    mode = get_kernels()
+    mode = get_kernels()  # first: with the native kernels nothing else is looked up
     # "auto" compiles for CPU tensors only: on CUDA a layer is bound by per-call host work, where the two sets
     # measured about even, and the native kernels compile nothing (docs/performance_cuda.md; docs/design.md, "CUDA").
     if mode == "native" or (mode == "auto" and input.device.type != "cpu"):
+        return False
+    # A shard of at most one value per channel needs the native path's count check (a host read). torch.compile
+    # refuses to run under a TorchDispatchMode (an op counter, FlopCounterMode): those see the native ops.
+    if is_compiling() or input.size(1) == 0 or _values_per_channel(input) < 2 or _dispatch_mode_active():
         return False
     missing = _missing_compiler(input.device.type)
     if missing is None:

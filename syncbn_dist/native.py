@@ -14,7 +14,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .statistics import _lean_regime
+from .statistics import LEAN_MIN_NUMEL, _lean_regime
+
+# CPU's batch-norm backward, which takes "running" statistics in inference mode (eval: no batch statistics): the
+# overload's C++ callable where torch exposes it (what OpOverload.__call__ calls, without its Python frame).
+_overload = torch.ops.aten.native_batch_norm_backward.default
+_NATIVE_BATCH_NORM_BACKWARD = getattr(_overload, "_op", _overload)
 
 
 def _like_input(grad_output: Tensor, input: Tensor) -> Tensor:
@@ -41,12 +46,14 @@ def _normalizing_var(var: Tensor, eps: float, eps_mode: str) -> Tensor:
 
 
 def _local_reductions(
-    grad_output: Tensor, input: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, eps: float
+    grad_output: Tensor, input: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, eps: float,
+    invstd: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """This shard's ``sum(dy)`` and ``sum(dy * x_hat)`` per channel, each (C,) in the statistics dtype.
 
     ``x_hat = (x - mean) * rsqrt(var + eps)`` with the global statistics; the native inference-mode backward
     with them as "running" statistics gives exactly ``grad_bias = sum(dy)`` and ``grad_weight = sum(dy * x_hat)``.
+    On CUDA, ``torch.batch_norm_backward_reduce`` (``invstd``: ``rsqrt(var + eps)``, computed here if not given).
     """
     if input.numel() == 0:  # the native kernel divides by the count; an empty shard sums to zero
         # A sum of the (empty) grad_output, not a constant, so that under torch.compile the backward collective
@@ -55,15 +62,21 @@ def _local_reductions(
         return zeros, zeros
     if input.is_cuda:
         # The CUDA kernels torch.nn.SyncBatchNorm uses (the CUDA inference-mode backward wants saved statistics).
-        invstd = torch.rsqrt(var + eps)
+        # With a weight the kernel's own grad_weight is sum(dy * (x - mean)) * invstd = sum(dy * x_hat).
+        if invstd is None:
+            invstd = torch.rsqrt(var + eps)
         if _rounds_each_product(input):
             grad_output, input = grad_output.float(), input.float()
-        sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
-            grad_output, input, mean, invstd, _as_stat(weight, mean), True, False, False
+        stat_weight = weight if weight is None or weight.dtype == mean.dtype else weight.to(mean.dtype)
+        affine = stat_weight is not None
+        sum_dy, sum_dy_xmu, sum_dy_xhat, _ = torch.batch_norm_backward_reduce(
+            grad_output, input, mean, invstd, stat_weight, True, affine, False
         )
-        return sum_dy, sum_dy_xmu * invstd
-    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-        grad_output, input, _as_stat(weight, mean), mean, var, None, None, False, eps, [False, True, True]
+        return sum_dy, sum_dy_xhat if affine else sum_dy_xmu * invstd
+    if weight is not None and weight.dtype != mean.dtype:  # (_as_stat, inline: this runs on every backward)
+        weight = weight.to(mean.dtype)
+    _, sum_dy_xhat, sum_dy = _NATIVE_BATCH_NORM_BACKWARD(
+        grad_output, input, weight, mean, var, None, None, False, eps, [False, True, True]
     )
     return sum_dy, sum_dy_xhat
 
@@ -87,6 +100,7 @@ def _grad_input(
     reductions: Tensor,
     eps: float,
     clipped: Optional[Tensor],
+    invstd: Optional[Tensor] = None,
 ) -> Tensor:
     """The exact global-batch ``grad_input`` of this shard (Ioffe & Szegedy 2015, arXiv:1502.03167).
 
@@ -101,31 +115,43 @@ def _grad_input(
         mean, var: (C,) global statistics in the kernels' dtype (``var`` as :func:`_normalizing_var` gives it).
         count: (1,) float64 global count; reductions: (2C,) float64 global ``[sum(dy), sum(dy * x_hat)]``.
         clipped: (C,) bool, channels whose variance was clipped to eps ("clip" mode), or None.
+        invstd: CUDA only, ``rsqrt(var + eps)`` (computed here if not given).
     """
     if input.numel() == 0:
         # Made from grad_output, not a constant, so that under torch.compile what follows stays in backward.
         return torch.zeros_like(grad_output)
+    if input.is_cuda:
+        # torch.nn.SyncBatchNorm's CUDA kernel: it divides the sums by the total of the counts it is given (int32),
+        # and takes sum(dy * (x - mean)) = sum(dy * x_hat) / invstd.
+        sum_dy, sum_dy_xhat = reductions.to(mean.dtype).chunk(2)
+        if clipped is not None:  # a clipped channel's invstd does not depend on x: its x_hat term vanishes
+            sum_dy_xhat = sum_dy_xhat.masked_fill(clipped, 0.0)
+        if invstd is None:
+            invstd = torch.rsqrt(var + eps)
+        return torch.batch_norm_backward_elemt(
+            grad_output, input, mean, invstd, _as_stat(weight, mean), sum_dy, sum_dy_xhat / invstd,
+            count.to(torch.int32),
+        )
     mean_dy, mean_dy_xhat = (reductions / count).to(mean.dtype).chunk(2)
     if clipped is not None:
         # A clipped channel's invstd does not depend on x: its x_hat term vanishes.
         mean_dy_xhat = mean_dy_xhat.masked_fill(clipped, 0.0)
-    if input.is_cuda:
-        # torch.nn.SyncBatchNorm's CUDA kernel: it divides the sums by the total of the counts it is given.
-        invstd = torch.rsqrt(var + eps)
-        return torch.batch_norm_backward_elemt(
-            grad_output, input, mean, invstd, _as_stat(weight, mean), mean_dy, mean_dy_xhat / invstd,
-            torch.ones(1, dtype=torch.int32, device=input.device),
-        )
-    if _lean_regime(input):
+    if input.numel() >= LEAN_MIN_NUMEL and _lean_regime(input):  # (the first test is _lean_regime's own, inline)
         # dy * scale - scale * (mean_dy + x_hat * mean_dy_xhat): one inference batch norm and one addcmul_.
         scale = torch.rsqrt(var + eps)
         if weight is not None:
             scale = scale * weight.to(mean.dtype)
         correction = _batch_norm_inference(input, mean_dy_xhat * -scale, mean_dy * -scale, mean, var, eps)
         return correction.addcmul_(grad_output, scale.view([1, -1] + [1] * (input.dim() - 2)))
-    centred = grad_output - _batch_norm_inference(input, mean_dy_xhat, mean_dy, mean, var, eps)
-    weight = torch.ones_like(mean) if weight is None else weight.to(mean.dtype)
-    grad_input, _, _ = torch.ops.aten.native_batch_norm_backward(
+    # The non-empty input's inference batch norm, called directly.
+    centred = grad_output - torch._native_batch_norm_legit_no_training(
+        input, mean_dy_xhat, mean_dy, mean, var, 0.0, eps
+    )[0]
+    if weight is None:
+        weight = torch.ones_like(mean)
+    elif weight.dtype != mean.dtype:
+        weight = weight.to(mean.dtype)
+    grad_input, _, _ = _NATIVE_BATCH_NORM_BACKWARD(
         centred, input, weight, mean, var, None, None, False, eps, [True, False, False]
     )
     return grad_input
@@ -148,7 +174,7 @@ def _scaled_grad_and_reductions(
         )
         return scaled, sum_dy, sum_dy_xhat
     weight = torch.ones_like(mean) if weight is None else weight.to(mean.dtype)
-    scaled, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+    scaled, sum_dy_xhat, sum_dy = _NATIVE_BATCH_NORM_BACKWARD(
         grad_output, input, weight, mean, var, None, None, False, eps, [True, True, True]
     )
     return scaled, sum_dy, sum_dy_xhat
@@ -163,9 +189,9 @@ def _batch_norm_inference(
     """
     if input.numel() == 0:  # the kernel would lay an empty output out contiguously; keep the input's format
         return torch.empty_like(input)
-    return torch.ops.aten._native_batch_norm_legit_no_training(input, weight, bias, mean, var, 0.0, eps)[0]
+    return torch._native_batch_norm_legit_no_training(input, weight, bias, mean, var, 0.0, eps)[0]
 
 
 def _as_stat(param: Optional[Tensor], stat: Tensor) -> Optional[Tensor]:
     """An affine parameter in the statistics' dtype: native kernels need them to match (C-sized cast)."""
-    return None if param is None else param.to(stat.dtype)
+    return param if param is None or param.dtype == stat.dtype else param.to(stat.dtype)

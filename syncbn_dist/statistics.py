@@ -15,10 +15,8 @@ temporary for the handful of per-channel float32 corrections an exact float32 pa
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .kernels import _values_per_channel
 from .tracing import is_compiling
 
 __all__ = ["LEAN_MIN_NUMEL", "combine_moments", "global_statistics", "local_moments", "local_payload"]
@@ -28,8 +26,8 @@ __all__ = ["LEAN_MIN_NUMEL", "combine_moments", "global_statistics", "local_mome
 _COMBINE_DTYPE = torch.float64
 
 # Eager CPU float32/float64 activations of at least this many elements (1 MiB of float32) take the memory-lean
-# path (44 B/elem on contiguous NCHW float32 at 44 ops per layer, 56 B/elem at 36 ops elsewhere) and the rest the
-# op-lean path (68 B/elem, 29 ops): latency, not bandwidth, bounds a small layer. The measured crossover (1 thread,
+# path (44 B/elem on contiguous NCHW float32 at 42 ops per layer, 56 B/elem at 34 ops elsewhere) and the rest the
+# op-lean path (68 B/elem, 27 ops): latency, not bandwidth, bounds a small layer. The measured crossover (1 thread,
 # both paths interleaved in one process, other work on the machine): lean / op-lean time 1.07 at 100,352 elements,
 # 0.82 at 200,704, 0.89-0.90 from 401,408 to 1,605,632 (contiguous NCHW, C = 64). See docs/design.md.
 LEAN_MIN_NUMEL = 1 << 18
@@ -50,22 +48,38 @@ def local_payload(input: Tensor) -> Tensor:
     Returns:
         (2C + 1,) float64 tensor on the input's device; zeros for an empty shard.
     """
+    return _local_payload(input, is_compiling())
+
+
+def _local_payload(input: Tensor, compiling: bool) -> Tensor:
+    """:func:`local_payload`, ``compiling`` being the caller's :func:`is_compiling`."""
     num_features = input.size(1)
     count = input.numel() // num_features if num_features else 0
     if count == 0:
         # Zeros made from the input, not a constant: under torch.compile two constant payloads of equal size would
         # be merged into one collective (common-subexpression elimination), leaving this rank a collective short.
         return input.new_zeros(2 * num_features + 1, dtype=_COMBINE_DTYPE)
+    if not compiling:
+        return _eager_payload(input, count)
+    # batch_norm_update_stats has no fake-tensor kernel for dynamic shapes; var_mean traces everywhere.
+    var, mean = torch.var_mean(input.to(_COMBINE_DTYPE), [0, *range(2, input.dim())], correction=0)
+    return _payload_of(mean, var, count)
+
+
+def _eager_payload(input: Tensor, count: int) -> Tensor:
+    """:func:`local_payload` of a non-empty shard in eager mode (``count`` values per channel): six ops on the
+    op-lean path (the float64 copy, its statistics, and :func:`_payload_of`'s four, written out here)."""
     if _lean_regime(input) and input.dtype == torch.float32 and input.is_contiguous() and input.dim() > 2:
         return _copy_free_payload(input, count)
-    shard = input.to(_COMBINE_DTYPE)
-    if is_compiling():
-        # batch_norm_update_stats has no fake-tensor kernel for dynamic shapes; var_mean traces everywhere.
-        var, mean = torch.var_mean(shard, [0, *range(2, shard.dim())], correction=0)
-    else:
-        mean, var = torch.batch_norm_update_stats(shard, None, None, 0.0)
+    mean, var = torch.batch_norm_update_stats(input.to(_COMBINE_DTYPE), None, None, 0.0)
+    return torch.constant_pad_nd(torch.cat([mean, torch.addcmul(var, mean, mean)]), (0, 1), 1.0).mul_(count)
+
+
+def _payload_of(mean: Tensor, var: Tensor, count: int) -> Tensor:
+    """``count * [mean, var + mean**2, 1]`` from a shard's float64 mean and biased variance, in four ops: the 1 is
+    padded in as a value, not a constant tensor of its own (``count`` may be symbolic in a graph)."""
     moments = torch.cat([mean, torch.addcmul(var, mean, mean)])
-    return F.pad(moments, (0, 1), value=1.0).mul_(count)
+    return torch.constant_pad_nd(moments, (0, 1), 1.0).mul_(count)
 
 
 def _lean_regime(input: Tensor) -> bool:
@@ -76,11 +90,11 @@ def _lean_regime(input: Tensor) -> bool:
     and bfloat16 keep it too: the lean ``grad_input``'s ``addcmul_`` with a float32 scale made their layer slower
     (measured 1.25x contiguous, 1.65x channels_last at (32, 64, 28, 28) bfloat16).
     """
-    return (
-        not is_compiling()
+    return (  # the cheapest test first: this runs on every eager call
+        input.numel() >= LEAN_MIN_NUMEL
         and not input.is_cuda
         and input.dtype not in (torch.float16, torch.bfloat16)
-        and input.numel() >= LEAN_MIN_NUMEL
+        and not is_compiling()
     )
 
 
@@ -102,7 +116,7 @@ def _copy_free_payload(input: Tensor, count: int) -> Tensor:
     mean = mean.to(_COMBINE_DTYPE)
     sums = torch.add(offset.to(_COMBINE_DTYPE), mean, alpha=count)
     squares = torch.addcmul(var.to(_COMBINE_DTYPE) * count, mean, sums + offset)
-    return F.pad(torch.cat([sums, squares]), (0, 1), value=float(count))
+    return torch.constant_pad_nd(torch.cat([sums, squares]), (0, 1), float(count))
 
 
 def global_statistics(total: Tensor) -> tuple[Tensor, Tensor]:
@@ -122,6 +136,25 @@ def global_statistics(total: Tensor) -> tuple[Tensor, Tensor]:
     # M2 = sum((x - mean)**2) = sum(x**2) - sum(x) * mean, combined in float64 from exact per-shard sums.
     m2 = torch.addcmul(squares, sums, mean, value=-1.0)
     return torch.stack([sums, m2, m2]) / torch.stack([count, count, count - 1.0]), count
+
+
+def _global_statistics_as(total: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`global_statistics` as the layer uses them: ``(mean, var, unbiased_var, count, empty)``, the three
+    statistics (C,) in ``dtype``, the (1,) float64 count and an empty float64 view, all from ``total``.
+
+    Five ops for float64 statistics (the split, the mean, M2 and one ``_foreach_div`` for both variances), eight
+    otherwise (one stacked cast and its unbind): the same float64 values as :func:`global_statistics`, in fewer
+    dispatches. ``empty`` costs nothing (a fourth piece of the split): a ``torch.cat`` that includes it promotes
+    to float64, the backward payload's cast without an op of its own.
+    """
+    num_features = total.numel() // 2
+    sums, squares, count, empty = total.split_with_sizes([num_features, num_features, 1, 0])
+    mean = sums / count
+    m2 = torch.addcmul(squares, sums, mean, value=-1.0)
+    var, unbiased_var = torch._foreach_div([m2, m2], [count, count - 1.0])
+    if dtype != total.dtype:
+        mean, var, unbiased_var = torch.stack([mean, var, unbiased_var]).to(dtype).unbind()
+    return mean, var, unbiased_var, count, empty
 
 
 def local_moments(input: Tensor) -> tuple[Tensor, Tensor]:
@@ -154,6 +187,7 @@ def combine_moments(count: Tensor, moments: Tensor) -> tuple[Tensor, Tensor]:
     stats, _ = global_statistics(torch.cat([moments, count.clamp(min=1.0)]))
     return stats[0], stats[1].clamp(min=0.0)
 
+
 def _checked_count(total: Tensor, input: Tensor) -> None:
     """Raise on every member if the global count per channel is 1; look only where it can be below 2.
 
@@ -169,7 +203,7 @@ def _checked_count(total: Tensor, input: Tensor) -> None:
     Raises:
         ValueError: if the global count per channel is 1 (raised on every member, which all see that count).
     """
-    if _values_per_channel(input) > 1:
+    if input.numel() > input.size(1):  # more than one value per channel (numel is a multiple of C)
         return
     message = (
         "Expected more than 1 value per channel when training, got a global batch of 1 value per channel "
