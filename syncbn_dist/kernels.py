@@ -16,10 +16,12 @@ compiled region (:func:`forward_region`, :func:`backward_region`, with torch's f
 layer is one compiled call per direction; other transports (the DataParallel exchange) call the pieces with their
 own exchange in between. docs/design.md, "Compiled kernels", has the design and what inductor needed.
 
-The switch is :func:`set_kernels` (or the environment variable ``SYNCBN_DIST_KERNELS``): ``"native"`` keeps the
-native-op path (:mod:`syncbn_dist.native`), ``"compiled"`` uses these kernels, ``"auto"`` (the default) uses
-them for CPU tensors where inductor finds a C++ compiler (otherwise it warns once and keeps the native path) and
-the native path on CUDA, where it measured faster. Under a user's own ``torch.compile`` this source is what the
+The switch is :func:`set_kernels` (or the environment variable ``SYNCBN_DIST_KERNELS``): ``"native"`` (the
+default) keeps the native-op path (:mod:`syncbn_dist.native`), which compiles nothing, ``"compiled"`` uses these
+kernels, ``"auto"`` uses them for CPU tensors where inductor finds a C++ compiler (otherwise it warns once and keeps
+the native path) and the native path on CUDA, where it measured faster. The compiled kernels are opt-in because
+their first call compiles, seconds to tens of seconds on the caller's critical path (docs/compile.md, "The
+default kernels"). Under a user's own ``torch.compile`` this source is what the
 layer traces into the user's graph (:func:`layer_forward`, :func:`layer_backward`), on every device and whatever the
 switch says, so that inductor fuses it with the layers around it; docs/compile.md.
 
@@ -50,6 +52,9 @@ __all__ = ["KERNEL_MODES", "get_kernels", "set_kernels"]
 
 KERNEL_MODES = ("auto", "compiled", "native")
 KERNELS_ENV = "SYNCBN_DIST_KERNELS"
+# Native: nothing compiles on a job's critical path. Compiling in the background while the first calls run natively
+# is not safe in torch 2.13 (docs/compile.md, "The default kernels"), so the compiled kernels are opt-in.
+DEFAULT_KERNELS = "native"
 _F64 = torch.float64
 
 _mode: Optional[str] = None
@@ -58,16 +63,18 @@ _mode: Optional[str] = None
 def set_kernels(mode: str) -> None:
     """Choose the kernels of every synchronized layer's eager training forward and backward, process-wide.
 
-    ``"native"`` is the native-op path (torch's batch-norm kernels and a float64 copy of the activation for the
-    statistics); ``"compiled"`` uses this module's kernels, compiled by ``torch.compile`` with inductor on first use
-    (dynamic shapes: one graph per direction for each dtype and memory format, shared by every layer, rank and batch
-    size); ``"auto"`` uses the compiled kernels for CPU tensors where inductor finds a C++ compiler (else native,
-    with one warning naming why) and the native ones for CUDA tensors, which compile nothing and measured about as
-    fast there (a GPU layer is bound by per-call host work; docs/performance_cuda.md). Overrides
-    ``SYNCBN_DIST_KERNELS``. Under a user's ``torch.compile``, in forward-mode AD, in
-    ``backward(create_graph=True)``, under a ``TorchDispatchMode`` and for shards of at most one value per channel
-    the native ops run whatever the mode. Both kernel sets give the global-batch result and send the same
-    collectives, so members may differ in mode.
+    ``"native"`` (the default) is the native-op path (torch's batch-norm kernels and a float64 copy of the activation
+    for the statistics), which compiles nothing; ``"compiled"`` uses this module's kernels, compiled by
+    ``torch.compile`` with inductor on first use (dynamic shapes: one graph per direction for each dtype and memory
+    format, shared by every layer, rank and batch size), on the first call's critical path; ``"auto"`` uses the
+    compiled kernels for CPU tensors where inductor finds a C++ compiler (else native, with one warning naming why)
+    and the native ones for CUDA tensors, which compile nothing and measured about as fast there (a GPU layer is
+    bound by per-call host work; docs/performance_cuda.md). On CPU the compiled kernels make a long job's steps
+    faster; a short job is faster on the native ones (docs/compile.md, "The default kernels"). Overrides
+    ``SYNCBN_DIST_KERNELS``. In forward-mode AD, in ``backward(create_graph=True)``, under a ``TorchDispatchMode``
+    and for shards of at most one value per channel the native ops run whatever the mode; under a user's
+    ``torch.compile`` the layer traces this module's source whatever the mode. Both kernel sets give the
+    global-batch result and send the same collectives, so members may differ in mode.
 
     Args:
         mode: ``"auto"``, ``"compiled"`` or ``"native"``.
@@ -80,14 +87,14 @@ def set_kernels(mode: str) -> None:
 
 
 def get_kernels() -> str:
-    """The mode in force: the last :func:`set_kernels`, else ``SYNCBN_DIST_KERNELS``, else ``"auto"``.
+    """The mode in force: the last :func:`set_kernels`, else ``SYNCBN_DIST_KERNELS``, else ``"native"``.
 
     Raises:
         ValueError: if ``SYNCBN_DIST_KERNELS`` holds an unknown mode.
     """
     if _mode is not None:
         return _mode
-    return _checked_mode(os.environ.get(KERNELS_ENV, "auto"), KERNELS_ENV)
+    return _checked_mode(os.environ.get(KERNELS_ENV, DEFAULT_KERNELS), KERNELS_ENV)
 
 
 def _checked_mode(mode: Any, source: str) -> str:

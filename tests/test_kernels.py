@@ -3,6 +3,8 @@
 - The switch: ``set_kernels`` and ``SYNCBN_DIST_KERNELS`` accept only the three modes; "auto" without a C++
   compiler warns once, names why, and runs the native kernels (bit for bit); "compiled" raises instead.
 - Replica threads meeting a new signature together compile it once, and their results are exact.
+- The default kernels are native: a DDP training step with nothing set compiles nothing (docs/compile.md, "The
+  default kernels").
 - Compilation does not grow with the layers or the batch: a DDP model (whose forward the kernels' first compilation
   runs in) and ResNet-50's 53 BatchNorm layers over three batch sizes, over gloo, compile one graph per direction,
   and every output and gradient equals float64 ``nn.BatchNorm`` on the global batch; under a user's
@@ -32,6 +34,7 @@ from syncbn_dist import (
     SyncBatchNorm,
     SynchronizedBatchNorm2d,
     SynchronizedBatchNorm3d,
+    convert_model,
     get_kernels,
     kernels,
     set_kernels,
@@ -312,7 +315,26 @@ def _first_compile_inside_ddp(rank: int) -> None:
     ddp(torch.randn(3 + rank, 3, 9, 9)).sum().backward()
 
 
+def _default_first_step(rank: int) -> dict[str, Any]:
+    """One DDP training step of a converted model with nothing set (``SYNCBN_DIST_KERNELS`` unset, no set_kernels):
+    the mode in force, what compiled (syncbn_dist's kernels, Dynamo frames, on any thread) and the transport."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 7 * 7, 3))
+    ddp = nn.parallel.DistributedDataParallel(convert_model(model))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    F.cross_entropy(ddp(torch.randn(4, 3, 9, 9, generator=gen)), torch.randint(0, 3, (4,), generator=gen)).backward()
+    optimizer.step()
+    return {
+        "mode": get_kernels(),
+        "graphs": sum(kernel.graphs() for kernel in kernels.COMPILED_KERNELS),
+        "frames": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        "transport": ddp.module[1].last_transport,
+    }
+
+
 def _worker_resnet50_compile_count(rank: int, world_size: int) -> dict[str, Any]:
+    default = _default_first_step(rank)
     set_kernels("compiled")
     _first_compile_inside_ddp(rank)
     before = {kernel.fn.__name__: kernel.graphs() for kernel in kernels.COMPILED_KERNELS}
@@ -345,14 +367,24 @@ def _worker_resnet50_compile_count(rank: int, world_size: int) -> dict[str, Any]
     model = torch.compile(nn.Sequential(nn.Conv2d(3, 4, 3), SynchronizedBatchNorm2d(4)), backend="aot_eager")
     model(torch.randn(3, 3, 6, 6)).sum().backward()
     after = {kernel.fn.__name__: kernel.graphs() for kernel in kernels.COMPILED_KERNELS}
-    return {"layers": len(shapes), "graphs": graphs, "frames": frames, "after_user_compile": after, "worst": worst}
+    return {
+        "layers": len(shapes), "graphs": graphs, "frames": frames, "after_user_compile": after, "worst": worst,
+        "default": default,
+    }
 
 
-def test_resnet50_layers_over_three_batch_sizes_compile_one_graph_per_direction() -> None:
-    """The first graphs are compiled inside a DDP forward; the 53 layers at 3 batch sizes reuse them."""
-    # Fresh ranks: the first compilations of a process, and its Dynamo frame count, are what is counted.
+def test_resnet50_layers_over_three_batch_sizes_compile_one_graph_per_direction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A training step with the default kernels compiles nothing; then, on the compiled kernels, the first graphs are
+    compiled inside a DDP forward and the 53 layers at 3 batch sizes reuse them."""
+    # Fresh ranks: the first compilations of a process, and its Dynamo frame count, are what is counted. They start
+    # with SYNCBN_DIST_KERNELS unset (the suite sets it to native): the default a user gets.
+    monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
     results = run_distributed(_worker_resnet50_compile_count, 2, timeout=300, fresh=True)
     for result in results:
+        # The default is native: a short job's first step pays no compilation, on this thread or any other.
+        assert result["default"] == {"mode": "native", "graphs": 0, "frames": 0, "transport": "distributed"}
         assert result["layers"] == 53
         assert result["graphs"] == {
             "forward_region": 1,
