@@ -33,12 +33,21 @@ PROBE_ENV = "SYNCBN_DIST_WORLDS_PROBE"
 HAS_CXX = any(shutil.which(cc) for cc in ("g++", "c++"))
 
 
+def _compile_kernels(rank: int, world_size: int) -> dict[str, int]:
+    """One synchronized layer's forward and backward on the compiled kernels: inductor's cache counters."""
+    syncbn_dist.set_kernels("compiled")
+    layer = syncbn_dist.SynchronizedBatchNorm2d(3)
+    layer(torch.randn(2 + rank, 3, 4, 4, requires_grad=True)).sum().backward()
+    counters = torch._dynamo.utils.counters
+    return {**counters["inductor"], **counters["aot_autograd"]}
+
+
 def _leave_state(rank: int, world_size: int) -> int:
     """Change everything a job could leave behind, the compiled kernels' caches included."""
-    syncbn_dist.set_kernels("compiled" if HAS_CXX else "native")
-    layer = syncbn_dist.SynchronizedBatchNorm2d(3)
-    layer(torch.randn(2 + rank, 3, 4, 4, requires_grad=True)).sum().backward()  # compiles the regions
+    if HAS_CXX:
+        _compile_kernels(rank, world_size)
     syncbn_dist.set_debug(True)
+    layer = syncbn_dist.SynchronizedBatchNorm2d(3)
     layer(torch.randn(2, 3, 4, 4))  # a debug-mode call number on the world group
     syncbn_dist.set_sbn_eps_mode("clip")
     syncbn_dist.patch_torch_sync_batchnorm()
@@ -151,6 +160,18 @@ def test_a_pooled_job_sees_what_a_fresh_process_sees(monkeypatch: pytest.MonkeyP
         everyone = pids + [state["pid"] for state in fresh]
     assert spawn._POOL is session_pool
     assert not [pid for pid in everyone if _alive(pid)]  # no rank outlives its pool
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not HAS_CXX, reason="inductor needs a C++ compiler")
+def test_a_kernel_compiled_by_one_job_is_a_cache_hit_for_the_next() -> None:
+    """Dynamo is reset between jobs, as in a new process, but inductor's caches (the machine's, on disk, and the
+    process's) serve the next job: no kernel of a run is compiled twice, whether the cache was empty before or not."""
+    with pooled_worlds():
+        run_distributed(_compile_kernels, 2)
+        for counters in run_distributed(_compile_kernels, 2):
+            assert counters.get("fxgraph_cache_miss", 0) == 0 and counters["fxgraph_cache_hit"] == 2, counters
+            assert counters.get("autograd_cache_miss", 0) == 0 and counters["autograd_cache_hit"] == 2, counters
 
 
 @pytest.mark.distributed

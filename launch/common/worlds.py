@@ -52,6 +52,7 @@ import types
 import warnings
 import weakref
 from collections import OrderedDict
+from concurrent.futures.thread import _worker as _executor_worker
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
 
@@ -124,9 +125,23 @@ def _module_level(cls: type) -> bool:
     return getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
 
 
+def _deterministic() -> tuple[bool, bool]:
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def _anomaly() -> tuple[bool, bool]:
+    return torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
+
+
 def _leftover_threads() -> list[str]:
+    """Non-daemon threads still running, but for the idle workers of a ``concurrent.futures`` thread pool: those are a
+    pool a library keeps for its process (inductor compiles in one), which runs only what is submitted to it."""
     main = threading.main_thread()
-    return [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not main]
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.is_alive() and not t.daemon and t is not main and getattr(t, "_target", None) is not _executor_worker
+    ]
 
 
 class _RankState:
@@ -135,9 +150,8 @@ class _RankState:
     def __init__(self) -> None:
         self.dtype = torch.get_default_dtype()
         self.grad = torch.is_grad_enabled()
-        self.deterministic = torch.are_deterministic_algorithms_enabled()
-        self.deterministic_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-        self.anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+        self.deterministic = _deterministic()
+        self.anomaly = _anomaly()
         self.matmul_precision = torch.get_float32_matmul_precision()
         self.configs = {name: sys.modules[name].get_config_copy() for name in _CONFIGS}
         hooks = torch.nn.modules.module
@@ -167,11 +181,19 @@ class _RankState:
         """Put the state back; return why this process cannot serve another job, or None."""
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        torch.set_default_dtype(self.dtype)
-        torch.set_grad_enabled(self.grad)
-        torch.use_deterministic_algorithms(self.deterministic, warn_only=self.deterministic_warn_only)
-        torch.autograd.set_detect_anomaly(*self.anomaly)
-        torch.set_float32_matmul_precision(self.matmul_precision)
+        # Each set only where a job changed it: setting a mode to its own value can change torch's state (setting the
+        # float32 matmul precision to "highest" turns the fp32_precision backends from "none" to "ieee", which is
+        # part of inductor's cache keys: every later compilation would miss the cache).
+        if torch.get_default_dtype() != self.dtype:
+            torch.set_default_dtype(self.dtype)
+        if torch.is_grad_enabled() != self.grad:
+            torch.set_grad_enabled(self.grad)
+        if _deterministic() != self.deterministic:
+            torch.use_deterministic_algorithms(self.deterministic[0], warn_only=self.deterministic[1])
+        if _anomaly() != self.anomaly:
+            torch.autograd.set_detect_anomaly(*self.anomaly)
+        if torch.get_float32_matmul_precision() != self.matmul_precision:
+            torch.set_float32_matmul_precision(self.matmul_precision)
         for name, saved in self.configs.items():
             config, current = sys.modules[name], sys.modules[name].get_config_copy()
             for key, value in saved.items():
