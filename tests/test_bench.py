@@ -117,7 +117,12 @@ def _design(channels: list[int]) -> dict[str, tuple[int, list[int]]]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.over_budget("make bench's command end to end, its ranks spawned afresh as the benchmark does")
 def test_bench_runs_end_to_end_and_writes_json_markdown_png(tmp_path: Path) -> None:
+    """``python -m launch.bench.run`` on tiny scenarios writes its JSON, Markdown, figure and README table.
+
+    Over 30 s: the benchmark's own command in a subprocess, whose ranks are fresh processes at each world size (as the
+    benchmark measures them, never pooled), with compiled variants: the run end to end is the assertion."""
     config = _write_configs(tmp_path)
     readme = tmp_path / "README.md"  # the run rewrites this file's performance table
     readme.write_text(

@@ -59,7 +59,13 @@ def test_version_comes_from_the_distribution_metadata() -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
+@pytest.mark.over_budget("a new venv with torch, the wheel built and installed, 2 ranks and the README run in it")
 def test_wheel_installed_outside_the_tree_imports_and_synchronizes(tmp_path: Path) -> None:
+    """The wheel and sdist of a fresh copy of the tree, installed into a new venv with no path to the tree: it imports,
+    synchronizes 2 gloo ranks and runs the README's blocks as pasted.
+
+    Over 30 s: the venv, torch installed into it (from pip's cache), the builds and the installed runs are each
+    separate processes that import torch; what a user gets from the distribution is the assertion."""
     source = _fresh_clone(tmp_path / "clone")
     # A venv of the base interpreter with nothing in it, then the running torch (this machine's CPU build, from pip's
     # cache for others) and later the wheel: no editable install, no .pth into the tree.

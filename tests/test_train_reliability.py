@@ -551,7 +551,12 @@ def jobs() -> Any:
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.over_budget("three torchrun jobs of 3 epochs: the reference, the stopped one, its resume")
 def test_sigterm_to_torchrun_mid_training_then_resume_equals_the_uninterrupted_run(tmp_path: Path, jobs: Any) -> None:
+    """SIGTERM to torchrun mid-epoch: both workers checkpoint and exit 0; resume=true finishes as the uninterrupted run.
+
+    Over 30 s: three torchrun jobs (an agent and two workers each), the reference beside the stopped run: a real
+    torchrun's signal forwarding and its workers' exit are the assertion."""
     reference = jobs(STANDALONE, tmp_path / "reference")
     stopped = jobs(STANDALONE, tmp_path / "stopped")
     rows = stopped.wait_for_epoch(1)
@@ -618,9 +623,14 @@ def _without_timing(metrics: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
+@pytest.mark.over_budget("two torchrun jobs of 3 epochs, one of which restarts its workers")
 def test_sigkilled_worker_mid_epoch_is_restarted_and_finishes_as_the_uninterrupted_run(
     tmp_path: Path, jobs: Any
 ) -> None:
+    """A worker SIGKILLed mid-epoch: torchrun restarts both once and the job finishes as the uninterrupted run.
+
+    Over 30 s: two torchrun jobs (the reference beside the killed one), and the restart starts two workers again; a
+    real torchrun's restart is the assertion."""
     every = 5  # of the 44 steps of an epoch
     reference = jobs(STANDALONE, tmp_path / "reference")
     restarted = jobs([*STANDALONE, "--max-restarts=1"], tmp_path / "restarted", f"train.checkpoint_every_steps={every}")
