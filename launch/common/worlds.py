@@ -29,8 +29,9 @@ a non-daemon thread still running, or a subclass of ``nn.SyncBatchNorm`` that th
 torch patch checks every subclass; those a module defines on import are any importing process's). So one failure
 never reaches a later job.
 
-Rank processes are keyed by threads and the environment, less the variables read at every use (:data:`PER_JOB_ENV`):
-a rank reads the others once, at import, so a job whose environment differs there gets processes spawned with it.
+Rank processes are keyed by threads and the environment, less the variables that do not select a process
+(:data:`PER_JOB_ENV`): a rank reads the others once, at import, so a job whose environment differs there gets
+processes spawned with it.
 Jobs that must own their processes pass ``fresh=True`` to ``run_distributed``.
 """
 
@@ -65,8 +66,24 @@ from .spawn import job_results, run_on_group
 
 __all__ = ["PER_JOB_ENV", "WorldPool"]
 
-# Environment variables read at every use, so one world serves any of their values (each job sets its own).
-PER_JOB_ENV = frozenset({KERNELS_ENV, "PYTEST_CURRENT_TEST"})
+# Environment variables that do not select a rank process (each job sets the caller's in its ranks): read at every
+# use (the kernel set, pytest's current test, the inductor cache directory), or set by a library in the test process
+# for its own later use, as it sets them in a rank that uses it (inductor before it loads a kernel, Lightning's CUDA
+# check, OpenCV's Qt paths and library path and scikit-learn's Intel OpenMP settings on import).
+PER_JOB_ENV = frozenset(
+    {
+        KERNELS_ENV,
+        "PYTEST_CURRENT_TEST",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+        "PYTORCH_NVML_BASED_CUDA_CHECK",
+        "QT_QPA_PLATFORM_PLUGIN_PATH",
+        "QT_QPA_FONTDIR",
+        "LD_LIBRARY_PATH",
+        "KMP_DUPLICATE_LIB_OK",
+        "KMP_INIT_AT_FORK",
+    }
+)
 _LIBRARY = "syncbn_dist"
 _CONFIGS = ("torch._dynamo.config", "torch._inductor.config", "torch._functorch.config")
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
