@@ -184,6 +184,9 @@ def pooled_worlds(max_ranks: int = 8) -> Iterator[WorldPool]:
     """Within the block, :func:`run_distributed` runs gloo jobs on long-lived rank processes
     (:class:`worlds.WorldPool`); on leaving it, they exit. For test suites: a benchmark keeps fresh processes.
 
+    A rank process dies with the thread that spawned it (:mod:`launch.common.worlds`): call
+    :func:`run_distributed` in the block from a thread that outlives it, such as the main thread.
+
     Args:
         max_ranks: the most rank processes alive at once (several sets where jobs' environments differ); the least
             recently used set exits to make room.

@@ -296,6 +296,8 @@ def _serve(conn: Connection) -> None:
         left = [cls for cls in _sync_batchnorm_subclasses() - subclasses if not _module_level(cls)]
         if retire is None and left:
             retire = f"the job's subclasses of nn.SyncBatchNorm are alive: {sorted(c.__qualname__ for c in left)}"
+        sys.stdout.flush()  # what the job printed, while its test still captures the output
+        sys.stderr.flush()
         conn.send((ok, payload, retire))
 
 
