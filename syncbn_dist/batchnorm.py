@@ -22,8 +22,9 @@ from .comm import (
     new_sync_master,
 )
 from .comm.agreement import verify_agreement_while_tracing
+from .comm.distributed import cached_distributed_transport
 from .comm.join import JoinBinding, JoinTransport
-from .functions import Transport, sync_batch_norm
+from .functions import Transport, _sync_batch_norm
 from .tracing import eager_replica_thread, is_compiling
 
 __all__ = [
@@ -211,10 +212,13 @@ class SyncBatchNorm(_BatchNorm):
         # Totals of this replica's forwards, replayed if activation checkpointing recomputes them.
         self._replay_stash: deque[list[Tensor]] = deque()
 
-    def _select_transport(self) -> Optional[Transport]:
+    def _select_transport(self, compiling: bool) -> Optional[Transport]:
         if not self.training:
             return None
-        inner = distributed_transport(self.process_group)
+        # Dynamo traces torch.distributed's own queries (constants in the graph), not a cache of their answers.
+        inner = distributed_transport(self.process_group) if compiling else cached_distributed_transport(
+            self.process_group
+        )
         binding = self._join_binding
         if inner is not None and binding is not None and binding.active:  # inside Join (syncbn_dist.join_layers)
             inner = binding.transport
@@ -260,7 +264,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def _forward(self, input: Tensor) -> Tensor:
         self._check_input(input)
-        transport = self._select_transport()
+        compiling = is_compiling()
+        transport = self._select_transport(compiling)
         self._transport_record[0] = "local" if transport is None else transport.name
         if transport is None and not (self.training and self.track_running_stats and self.running_mean is not None):
             # No buffer update, so a checkpoint recomputation needs no special care; skipping the check keeps
@@ -268,25 +273,25 @@ class SyncBatchNorm(_BatchNorm):
             return super().forward(input)
         if transport is None and self._eps_mode() == "clip":
             transport = _SOLO  # F.batch_norm knows only var + eps: the same math, with no communication
-        if not is_compiling() and _is_recomputing():
+        if not compiling and _is_recomputing():
             return self._recompute_forward(input, transport)
         if transport is None:
             return super().forward(input)
         if self._replica_exchange is not None or is_debug_enabled() or isinstance(transport, JoinTransport):
             return self._eager_sync_forward(input, transport)
-        return self._sync_forward(input, transport)
+        return self._sync_forward(input, transport, compiling)
 
     def _eps_mode(self) -> str:
         return _EPS_MODE if self.eps_mode is None else _resolve_eps_mode(self.eps_mode)
 
-    def _sync_forward(self, input: Tensor, transport: Transport) -> Tensor:
+    def _sync_forward(self, input: Tensor, transport: Transport, compiling: bool) -> Tensor:
         """The synchronized training forward; ``torch.compile`` traces it whole on the distributed transport.
 
         Under compilation the agreement check runs once, while the graph is traced (every member traces its first
         call at the same layer, so all of them take part); see :func:`syncbn_dist.comm.agreement`.
         """
         key = f"num_features={self.num_features} dtype={input.dtype}"
-        if is_compiling():
+        if compiling:
             if transport is not _SOLO:  # a group of one ("clip" with no peers) has nobody to agree with
                 verify_agreement_while_tracing(transport.process_group, key, self._describe(), id(self))
         else:
@@ -297,12 +302,12 @@ class SyncBatchNorm(_BatchNorm):
         momentum = 0.0
         if track:
             self.num_batches_tracked.add_(1)
-            momentum = self._momentum_factor()
+            momentum = self._momentum_factor(compiling)
             if isinstance(transport, (JoinTransport, DataParallelTransport)) and self._join_binding is not None:
                 self._join_binding.transport.expect_tracked_forward()  # joined ranks update their buffers too
         if self._replica_exchange is not None:
             transport = _Recording(transport, self._replay_stash)
-        return sync_batch_norm(
+        return _sync_batch_norm(
             input,
             self.weight,
             self.bias,
@@ -312,9 +317,10 @@ class SyncBatchNorm(_BatchNorm):
             self.eps,
             transport,
             self._eps_mode(),
+            compiling,
         )
 
-    def _momentum_factor(self) -> Union[float, Tensor]:
+    def _momentum_factor(self, compiling: bool) -> Union[float, Tensor]:
         """``momentum``, or for a cumulative average (momentum None) ``1 / num_batches_tracked``.
 
         The cumulative factor is a host float in eager mode and a 0-dim tensor under ``torch.compile`` (reading
@@ -322,7 +328,7 @@ class SyncBatchNorm(_BatchNorm):
         """
         if self.momentum is not None:
             return self.momentum
-        if is_compiling():
+        if compiling:
             return 1.0 / self.num_batches_tracked
         return 1.0 / float(self.num_batches_tracked)
 
@@ -330,7 +336,7 @@ class SyncBatchNorm(_BatchNorm):
     def _eager_sync_forward(self, input: Tensor, transport: Transport) -> Tensor:
         # DataParallel replicas (threads exchanging Python objects) and debug mode (a record gathered and compared
         # before every collective) run eagerly: under torch.compile each such layer is one graph break.
-        return self._sync_forward(input, transport)
+        return self._sync_forward(input, transport, False)
 
     @torch.compiler.disable
     def _recompute_forward(self, input: Tensor, transport: Optional[Transport]) -> Tensor:
@@ -353,7 +359,9 @@ class SyncBatchNorm(_BatchNorm):
             )
         if self._replica_exchange is not None:
             transport = _Replay(transport.name, self._replay_stash)
-        return sync_batch_norm(input, self.weight, self.bias, None, None, 0.0, self.eps, transport, self._eps_mode())
+        return _sync_batch_norm(
+            input, self.weight, self.bias, None, None, 0.0, self.eps, transport, self._eps_mode(), False
+        )
 
     def _describe(self) -> str:
         name = self.__dict__.get("_qualified_name") or "<unnamed>"

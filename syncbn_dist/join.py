@@ -156,7 +156,7 @@ class SyncBatchNormJoinable(Joinable):
             if total[-1].item() >= 2:
                 stats, _ = global_statistics(total)
                 _update_running_stats(
-                    layer.running_mean, layer.running_var, stats[0], stats[2], layer._momentum_factor()
+                    layer.running_mean, layer.running_var, stats[0], stats[2], layer._momentum_factor(False)
                 )
 
 

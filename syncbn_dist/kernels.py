@@ -169,6 +169,11 @@ def _channel_shape(x: Tensor) -> list[int]:
     return [1, -1] + [1] * (x.dim() - 2)
 
 
+def _reduced_dims(input: Tensor) -> list[int]:
+    """The dimensions a per-channel statistic reduces over: all but dim 1."""
+    return [0, *range(2, input.dim())]
+
+
 def _sum_per_channel(t: Tensor, staged: bool = True) -> Tensor:
     """Sum a (N, C, *) tensor over every dimension but C into (C,) float64, in the order that suits its layout and
     dtype; it is viewed as (N, C, L) (a view for contiguous and channels-last tensors).

@@ -6,6 +6,9 @@ True in the other replica threads, which are running the layer eagerly at the sa
 traced-graph branches (agreement checks at trace time, in-graph assertions). :func:`is_compiling` is the flag for
 the layer's own code: False in a thread that runs a replica's eager forward (:func:`eager_replica_thread`), whose
 code ``torch.compile`` never traces, and the flag elsewhere.
+
+The other transforms that change how the layer must run are asked about here too: a forward-mode AD level or a
+``torch.func`` transform (:func:`_forward_ad_active`) and functorch-wrapped tensors (:func:`_functorch_wrapped`).
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+from torch import Tensor
+from torch.autograd import forward_ad
 
 __all__ = ["eager_replica_thread", "is_compiling"]
 
@@ -47,3 +53,20 @@ def eager_replica_thread() -> Iterator[None]:
         yield
     finally:
         _thread.eager_replica = previous
+
+
+def _forward_ad_active() -> bool:
+    """Whether a ``torch.autograd.forward_ad.dual_level`` or a ``torch.func`` transform is active (eager only)."""
+    return not is_compiling() and _forward_ad_level_active()
+
+
+def _forward_ad_level_active() -> bool:
+    """:func:`_forward_ad_active` for a caller that knows it is not being traced."""
+    return forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None
+
+
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _functorch_wrapped(arg: Any) -> bool:
+    return isinstance(arg, Tensor) and _is_functorch_wrapped(arg)

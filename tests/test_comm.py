@@ -19,6 +19,7 @@ from torch import Tensor
 
 from launch.common.counting import OpCounter
 from launch.common.spawn import run_distributed
+from syncbn_dist import SynchronizedBatchNorm1d
 from syncbn_dist.comm import (
     DataParallelTransport,
     DistributedTransport,
@@ -30,6 +31,8 @@ from syncbn_dist.comm import (
     new_sync_master,
     run_replicas_in_threads,
 )
+
+from syncbn_dist.comm.distributed import cached_distributed_transport
 
 # A wait that only an abort (or a delivered result) may end: far beyond the per-test pytest-timeout below.
 LONG = 600.0
@@ -438,3 +441,41 @@ def _worker(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_transports_over_gloo() -> None:
     run_distributed(_worker, 2)
+
+
+def _check_cached_transports(rank: int, world_size: int, second_world: str) -> None:
+    """The layer's eager transport is kept per group while the default group lives, and found again for a new one."""
+    own_groups = [dist.new_group([r]) for r in range(world_size)]
+    pair = dist.new_group(list(range(world_size)))
+    first = cached_distributed_transport(None)
+    assert isinstance(first, DistributedTransport) and first is cached_distributed_transport(None)
+    assert first.process_group is dist.group.WORLD  # the world group, resolved once
+    assert cached_distributed_transport(pair) is cached_distributed_transport(pair) is not first
+    assert cached_distributed_transport(pair).process_group is pair
+    assert cached_distributed_transport(own_groups[rank]) is None
+    for _ in range(2):  # a non-member is refused at every call, not only the first
+        with pytest.raises(ValueError, match=f"rank {rank} is not a member"):
+            cached_distributed_transport(own_groups[(rank + 1) % world_size])
+
+    layer = SynchronizedBatchNorm1d(3, momentum=None)
+    xs = [torch.randn(2 + r, 3, generator=torch.Generator().manual_seed(r), dtype=torch.float64) for r in range(2)]
+    reference = torch.nn.BatchNorm1d(3, momentum=None, dtype=torch.float64)
+    out = layer.double()(xs[rank])
+    assert layer.last_transport == "distributed"
+    dist.destroy_process_group()  # the world, and every group of it, ends; a new world starts on the same ranks
+    dist.init_process_group("gloo", init_method=f"file://{second_world}", rank=rank, world_size=world_size)
+    second = cached_distributed_transport(None)
+    assert isinstance(second, DistributedTransport) and second is not first
+    assert second.process_group is dist.group.WORLD
+    out_second = layer(xs[rank])  # on the new world: both batches, both steps, as one BatchNorm would see them
+    expected = reference(torch.cat(xs))
+    rows = slice(sum(len(x) for x in xs[:rank]), sum(len(x) for x in xs[: rank + 1]))
+    torch.testing.assert_close(out, expected[rows])
+    torch.testing.assert_close(out_second, reference(torch.cat(xs))[rows])
+    torch.testing.assert_close(layer.running_mean, reference.running_mean)
+    torch.testing.assert_close(layer.running_var, reference.running_var)
+
+
+@pytest.mark.distributed
+def test_cached_transports_follow_the_default_group(tmp_path: Any) -> None:
+    run_distributed(_check_cached_transports, 2, str(tmp_path / "second_world"))

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Function
 
-from ..tracing import is_compiling
 from .agreement import verify_group_agreement
 
 __all__ = [
@@ -21,6 +20,7 @@ __all__ = [
     "all_reduce_mean_",
     "all_reduce_sum",
     "broadcast_from_first_",
+    "cached_distributed_transport",
     "distributed_transport",
     "group_needs_sync",
     "new_sync_groups",
@@ -131,9 +131,13 @@ class DistributedTransport:
         always one dense tensor, reduced with SUM (the default options). Traced by ``torch.compile``, it is
         :func:`all_reduce_sum` (Dynamo cannot trace a process group's methods).
         """
-        if is_compiling():
+        # torch's flag, not syncbn_dist.tracing.is_compiling: in a replica thread that sees it set by another thread's
+        # compilation, the functional collective is the same sum, eagerly.
+        if torch.compiler.is_compiling():
             return all_reduce_sum(tensor, self.group_name)
-        group = dist.group.WORLD if self.process_group is None else self.process_group
+        group = self.process_group
+        if group is None:
+            group = dist.group.WORLD
         group.allreduce([tensor]).wait()
         return tensor
 
@@ -176,6 +180,41 @@ def distributed_transport(process_group: Optional[Any]) -> Optional[DistributedT
     if dist.get_world_size(group) <= 1:
         return None
     return DistributedTransport(process_group)
+
+
+# cached_distributed_transport's answers, by the id of the group asked about (the group is kept in the entry, so that
+# its id is not reused), for the default group they were found under.
+_TRANSPORTS: dict[int, tuple[Any, Optional[DistributedTransport]]] = {}
+_TRANSPORTS_WORLD: list[Any] = [None]
+_DIST_AVAILABLE = dist.is_available()
+
+
+def cached_distributed_transport(process_group: Optional[Any]) -> Optional[DistributedTransport]:
+    """:func:`distributed_transport`, remembered per group until the default group changes (eager mode only).
+
+    A layer asks at every training forward, and the answer changes only when groups do: after the first call for a
+    group this costs a dictionary lookup and the default group's, instead of torch.distributed's rank and size
+    queries and a new transport. The world group's transport holds the world group itself (``process_group`` None
+    is resolved once). A non-member's ValueError is raised at every call (nothing is remembered for it).
+
+    Args, Returns, Raises: as :func:`distributed_transport`.
+    """
+    if not _DIST_AVAILABLE:
+        return None
+    world = dist.group.WORLD
+    if world is None:
+        return None
+    if _TRANSPORTS_WORLD[0] is not world:  # a new default group: every group of the old one is gone with it
+        _TRANSPORTS.clear()
+        _TRANSPORTS_WORLD[0] = world
+    entry = _TRANSPORTS.get(id(process_group))
+    if entry is not None and entry[0] is process_group:
+        return entry[1]
+    transport = distributed_transport(process_group)
+    if transport is not None and process_group is None:
+        transport = DistributedTransport(world)
+    _TRANSPORTS[id(process_group)] = (process_group, transport)
+    return transport
 
 
 def new_sync_groups(group_size: int) -> Any:

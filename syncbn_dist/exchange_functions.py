@@ -1,0 +1,259 @@
+"""The synchronized layer's two autograd Functions around a differentiable exchange (DataParallel replicas).
+
+``_LocalPayload`` -> ``transport.all_reduce`` -> ``_Normalize``: a DataParallel replica's backward runs in one
+autograd thread for all replicas, where no exchange between them could happen, so the exchange's sum is itself an
+autograd edge (:class:`syncbn_dist.comm.DataParallelTransport`), and each Function has the true vector-Jacobian
+product of its forward. The gradient of the global payload, summed by the exchange, carries the cross-replica terms
+back (docs/design.md, "Higher-order derivatives"). The process-group path is one Function
+(:mod:`syncbn_dist.functions`); both take the same math from :mod:`syncbn_dist.native` and :mod:`syncbn_dist.kernels`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd import Function
+
+from . import kernels
+from .kernels import _channel_shape, _reduced_dims, _stat_dtype
+from .native import _as_stat, _batch_norm_inference, _like_input, _normalizing_var, _scaled_grad_and_reductions
+from .statistics import _COMBINE_DTYPE, _checked_count, _global_statistics_as, local_payload
+from .tracing import _forward_ad_active, _functorch_wrapped, is_compiling
+
+if TYPE_CHECKING:
+    from .functions import Transport
+
+__all__: list[str] = []
+
+
+def _apply(function: type[Function], *args: Any) -> Any:
+    """``function.apply(*args)``, every argument given, without torch's per-call wrapper work where it has none to do.
+
+    For a Function with ``setup_context``, ``torch.autograd.Function.apply`` binds the arguments to ``forward``'s
+    signature with :mod:`inspect` on every call (to fill in defaults) and walks them with pytree for dead functorch
+    wrappers before it calls the C++ ``apply``: measured 25-30 µs a call, a tenth of a small layer's forward and
+    backward. In eager mode outside ``torch.func`` transforms, with every argument given and no functorch-wrapped
+    tensor among them, neither step changes anything, so the C++ ``apply`` is called directly; everywhere else
+    (``torch.compile``, whose tracer handles ``apply`` itself; ``torch.func``) ``function.apply`` runs.
+    """
+    if is_compiling() or torch._C._are_functorch_transforms_active() or any(map(_functorch_wrapped, args)):
+        return function.apply(*args)
+    return super(Function, function).apply(*args)  # the C++ torch._C._FunctionBase.apply
+
+
+def _takes_compiled_kernels(input: Tensor) -> bool:
+    """Whether this call runs :mod:`syncbn_dist.kernels`' compiled kernels (never in forward-mode AD, whose
+    ``jvp``s are written in native ops)."""
+    return kernels.use_compiled(input) and not _forward_ad_active()
+
+
+class _BackwardLink:
+    """The global statistics, filled by the caller after the exchange and read by ``_LocalPayload.backward`` (they
+    are known only after ``_LocalPayload.forward`` ran)."""
+
+    __slots__ = ("mean", "var", "eps")
+
+    def __init__(self) -> None:
+        self.mean: Optional[Tensor] = None
+        self.var: Optional[Tensor] = None
+        self.eps = 0.0
+
+
+class _LocalPayload(Function):
+    """input -> (:func:`local_payload`, alias of input), with its exact vector-Jacobian product.
+
+    The payload is ``[sum(x), sum(x**2), count]`` per channel, so ``grad_input = grad_alias + g_sum + 2 x g_sumsq``.
+    That is evaluated as ``grad_alias + 2 (x - mean) g_sumsq + (g_sum + 2 mean g_sumsq)`` about the global mean
+    (the same value without the cancellation of a large mean), by one native inference batch norm. Being the true
+    product at every order, it can be differentiated again (double backward).
+    """
+
+    @staticmethod
+    def forward(input: Tensor, link: _BackwardLink) -> tuple[Tensor, Tensor]:
+        if _takes_compiled_kernels(input):
+            return kernels.payload(input), input.view_as(input)
+        return local_payload(input), input.view_as(input)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, _BackwardLink], output: tuple[Tensor, Tensor]) -> None:
+        ctx.link = inputs[1]
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def jvp(ctx: Any, input_tangent: Optional[Tensor], _: None) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """The payload's tangent ``[sum(dx), 2 sum(x dx), 0]`` in float64, and ``dx`` for the alias."""
+        if input_tangent is None:
+            return None, None
+        (input,) = ctx.saved_tensors
+        dims = _reduced_dims(input)
+        tangent = input_tangent.to(_COMBINE_DTYPE)
+        sums = torch.cat([tangent.sum(dims), 2.0 * (input.to(_COMBINE_DTYPE) * tangent).sum(dims)])
+        return F.pad(sums, (0, 1)), input_tangent.view_as(input_tangent)
+
+    @staticmethod
+    def backward(ctx: Any, grad_payload: Tensor, grad_alias: Tensor) -> tuple[Any, ...]:
+        (input,) = ctx.saved_tensors
+        grad_sum, grad_sumsq, _ = grad_payload.split([input.size(1), input.size(1), 1])
+        shape = _channel_shape(input)
+        if torch.is_grad_enabled():  # backward(create_graph=True): the same product, in recorded ops
+            through_payload = grad_sum.view(shape) + 2.0 * input.to(_COMBINE_DTYPE) * grad_sumsq.view(shape)
+            return grad_alias + through_payload.to(grad_alias.dtype), None
+        if input.numel() == 0:
+            return grad_alias, None
+        link: _BackwardLink = ctx.link
+        mean, var = link.mean, link.var
+        if _takes_compiled_kernels(input):
+            grad_alias = _like_input(grad_alias, input)
+            return kernels.grad_through_payload(grad_alias, input, grad_sum, grad_sumsq, mean), None
+        # (x - mean) * rsqrt(var + eps) * W + B with W = 2 g_sumsq sqrt(var + eps) and B = g_sum + 2 mean g_sumsq.
+        weight = (2.0 * grad_sumsq * torch.sqrt(var.to(_COMBINE_DTYPE) + link.eps)).to(mean.dtype)
+        bias = torch.addcmul(grad_sum, mean.to(_COMBINE_DTYPE), grad_sumsq, value=2.0).to(mean.dtype)
+        return _batch_norm_inference(input, weight, bias, mean, var, link.eps).add_(grad_alias), None
+
+
+class _Normalize(Function):
+    """(alias of input, weight, bias, global payload) -> output normalized with the statistics of the payload, with
+    its exact vector-Jacobian product.
+
+    The statistics arrive as ``mean`` and ``var`` (computed from ``total`` without grad), but the output is a
+    function of ``total``: ``mean = S / N`` and ``var = Q / N - mean**2``, so backward sends ``total`` the gradient
+    ``[g_S, g_Q, 0]`` of those, from this member's ``sum(dy)`` and ``sum(dy * x_hat)``. The transport's
+    differentiable exchange sums it over the members, and ``_LocalPayload`` turns it into the global-batch
+    ``grad_input``. Weight and bias gradients are the local sums (DataParallel sums the replicas' gradients).
+    """
+
+    @staticmethod
+    def forward(
+        input: Tensor,
+        weight: Optional[Tensor],
+        bias: Optional[Tensor],
+        total: Tensor,
+        mean: Tensor,
+        var: Tensor,
+        eps: float,
+        clipped: Optional[Tensor],
+    ) -> Tensor:
+        if _takes_compiled_kernels(input):
+            return kernels.normalized(input, total, weight, bias, eps, clipped is not None)
+        return _batch_norm_inference(input, _as_stat(weight, mean), _as_stat(bias, mean), mean, var, eps)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        input, weight, bias, total, mean, var, eps, clipped = inputs
+        ctx.eps, ctx.clipped = eps, clipped
+        ctx.param_dtype = mean.dtype if weight is None else weight.dtype
+        ctx.save_for_backward(input, weight, bias, total, mean, var)
+        ctx.save_for_forward(input, weight, total, mean, var)
+
+    @staticmethod
+    def jvp(
+        ctx: Any,
+        input_tangent: Optional[Tensor],
+        weight_tangent: Optional[Tensor],
+        bias_tangent: Optional[Tensor],
+        total_tangent: Optional[Tensor],
+        *_: None,
+    ) -> Optional[Tensor]:
+        """``dx * weight * invstd + x_hat * (dw + weight * dinvstd / invstd) + db - weight * invstd * dmean``, with
+        ``dmean = dS / N`` and ``dvar = dQ / N - 2 mean dmean`` from the payload's tangent (the exchange summed it)."""
+        input, weight, total, mean, var = ctx.saved_tensors
+        invstd = torch.rsqrt(var.to(_COMBINE_DTYPE) + ctx.eps)
+        scale = invstd if weight is None else invstd * weight.to(_COMBINE_DTYPE)
+        coefficient = torch.zeros_like(invstd) if weight_tangent is None else weight_tangent.to(_COMBINE_DTYPE)
+        shift = torch.zeros_like(invstd) if bias_tangent is None else bias_tangent.to(_COMBINE_DTYPE)
+        if total_tangent is not None:
+            num_features = input.size(1)
+            sums, squares, _ = (total_tangent / total[-1:]).split([num_features, num_features, 1])
+            mean_tangent = sums
+            var_tangent = torch.addcmul(squares, mean.to(_COMBINE_DTYPE), sums, value=-2.0)
+            if ctx.clipped is not None:
+                var_tangent = var_tangent.masked_fill(ctx.clipped, 0.0)
+            coefficient = coefficient - 0.5 * scale * invstd * var_tangent
+            shift = shift - scale * mean_tangent
+        tangent = _batch_norm_inference(input, coefficient.to(mean.dtype), shift.to(mean.dtype), mean, var, ctx.eps)
+        if input_tangent is not None:
+            tangent = tangent + input_tangent * scale.to(mean.dtype).view(_channel_shape(input))
+        return tangent.to(input.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Any, ...]:
+        input, weight, bias, total, mean, var = ctx.saved_tensors
+        if torch.is_grad_enabled():  # backward(create_graph=True): autograd's product of the forward in plain ops
+            return (*_recorded_normalize_backward(ctx, grad_output), None, None, None, None)
+        grad_output = _like_input(grad_output, input)
+        eps = ctx.eps
+        if _takes_compiled_kernels(input):
+            scaled, sum_dy, sum_dy_xhat = kernels.scaled_grad(grad_output, input, weight, mean, var, eps)
+        else:
+            scaled, sum_dy, sum_dy_xhat = _scaled_grad_and_reductions(grad_output, input, weight, mean, var, eps)
+        grad_weight = sum_dy_xhat.to(ctx.param_dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = sum_dy.to(ctx.param_dtype) if ctx.needs_input_grad[2] else None
+        grad_total = None
+        if ctx.needs_input_grad[3]:
+            # dL/dmean = -weight invstd sum(dy); dL/dvar = -weight invstd**2 sum(dy x_hat) / 2 (0 where clipped).
+            invstd = torch.rsqrt(var.to(_COMBINE_DTYPE) + eps)
+            scale = invstd if weight is None else invstd * weight.to(_COMBINE_DTYPE)
+            grad_mean = -scale * sum_dy.to(_COMBINE_DTYPE)
+            grad_var = (-0.5 * scale * invstd) * sum_dy_xhat.to(_COMBINE_DTYPE)
+            if ctx.clipped is not None:  # a clipped channel normalizes by eps, whatever its variance
+                grad_var = grad_var.masked_fill(ctx.clipped, 0.0)
+            count = total[-1:]
+            grad_sum = torch.addcmul(grad_mean, mean.to(_COMBINE_DTYPE), grad_var, value=-2.0) / count
+            grad_total = F.pad(torch.cat([grad_sum, grad_var / count]), (0, 1))
+        return scaled, grad_weight, grad_bias, grad_total, None, None, None, None
+
+
+def _recorded_normalize_backward(ctx: Any, grad_output: Tensor) -> list[Optional[Tensor]]:
+    """``_Normalize``'s gradients as autograd's own of its forward written in plain ops of ``total``, recorded.
+
+    The statistics take their values from the forward's (exact) ``mean`` and ``var`` and their derivatives from
+    ``S / N`` and ``Q / N - (S / N)**2``: ``c + (f - f.detach())`` has the value ``c`` and every derivative of ``f``
+    (none on a clipped channel, which normalizes by eps).
+    """
+    input, weight, bias, total, mean, var = ctx.saved_tensors
+    with torch.enable_grad():
+        num_features = input.size(1)
+        sums, squares, count = total.split([num_features, num_features, 1])
+        batch_mean = sums / count
+        var_change = squares / count - batch_mean.square()
+        var_change = var_change - var_change.detach()
+        if ctx.clipped is not None:
+            var_change = var_change.masked_fill(ctx.clipped, 0.0)
+        exact_mean = mean.to(_COMBINE_DTYPE) + (batch_mean - batch_mean.detach())
+        invstd = torch.rsqrt(var.to(_COMBINE_DTYPE) + var_change + ctx.eps)
+        shape = _channel_shape(input)
+        output = (input.to(_COMBINE_DTYPE) - exact_mean.view(shape)) * invstd.view(shape)
+        if weight is not None:
+            output = output * weight.to(_COMBINE_DTYPE).view(shape)
+        if bias is not None:
+            output = output + bias.to(_COMBINE_DTYPE).view(shape)
+        candidates = (input, weight, bias, total)
+        wrt = [t for t, need in zip(candidates, ctx.needs_input_grad[:4]) if need]
+        found = iter(torch.autograd.grad(output, wrt, grad_output.to(output.dtype), create_graph=True))
+    return [next(found) if need else None for need in ctx.needs_input_grad[:4]]
+
+
+def _sync_batch_norm_differentiable(
+    input: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+    eps_mode: str,
+    transport: Transport,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The two-Function path around a differentiable transport edge (DataParallel replicas)."""
+    link = _BackwardLink()
+    payload, alias = _apply(_LocalPayload, input, link)
+    (total,) = transport.all_reduce([payload])
+    _checked_count(total.detach(), input)
+    with torch.no_grad():
+        mean, var, unbiased_var, _, _ = _global_statistics_as(total, _stat_dtype(input))
+        clipped = None if eps_mode == "plus" else var < eps
+        var = _normalizing_var(var, eps, eps_mode)
+        link.mean, link.var, link.eps = mean, var, eps
+    output = _apply(_Normalize, alias, weight, bias, total, mean, var, eps, clipped)
+    return output, mean, unbiased_var
