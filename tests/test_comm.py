@@ -9,7 +9,9 @@ process groups through ``launch/common/spawn.py``; collectives are recorded by t
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from typing import Any, Callable
 
 import pytest
@@ -31,7 +33,6 @@ from syncbn_dist.comm import (
     new_sync_master,
     run_replicas_in_threads,
 )
-
 from syncbn_dist.comm.distributed import cached_distributed_transport
 
 # A wait that only an abort (or a delivered result) may end: far beyond the per-test pytest-timeout below.
@@ -444,29 +445,36 @@ def test_transports_over_gloo() -> None:
 
 
 def _check_cached_transports(rank: int, world_size: int, second_world: str) -> None:
-    """The layer's eager transport is kept per group while the default group lives, and found again for a new one."""
+    """The layer's eager transport is kept per group while the default group lives, found again for a new one, and
+    keeps no process group alive once torch.distributed destroyed it."""
     own_groups = [dist.new_group([r]) for r in range(world_size)]
     pair = dist.new_group(list(range(world_size)))
     first = cached_distributed_transport(None)
     assert isinstance(first, DistributedTransport) and first is cached_distributed_transport(None)
-    assert first.process_group is dist.group.WORLD  # the world group, resolved once
+    assert first.process_group is None  # the world group, looked up at each collective
     assert cached_distributed_transport(pair) is cached_distributed_transport(pair) is not first
     assert cached_distributed_transport(pair).process_group is pair
     assert cached_distributed_transport(own_groups[rank]) is None
     for _ in range(2):  # a non-member is refused at every call, not only the first
         with pytest.raises(ValueError, match=f"rank {rank} is not a member"):
             cached_distributed_transport(own_groups[(rank + 1) % world_size])
+    (total,) = cached_distributed_transport(pair).all_reduce([torch.ones(2, dtype=torch.float64)])
+    assert torch.equal(total, torch.full((2,), float(world_size), dtype=torch.float64))
 
-    layer = SynchronizedBatchNorm1d(3, momentum=None)
+    layer = SynchronizedBatchNorm1d(3, momentum=None).double()
     xs = [torch.randn(2 + r, 3, generator=torch.Generator().manual_seed(r), dtype=torch.float64) for r in range(2)]
     reference = torch.nn.BatchNorm1d(3, momentum=None, dtype=torch.float64)
-    out = layer.double()(xs[rank])
+    out = layer(xs[rank])
     assert layer.last_transport == "distributed"
+    old_groups = [weakref.ref(g) for g in (dist.group.WORLD, pair, own_groups[rank])]  # (the others: an int)
+    del pair, own_groups
     dist.destroy_process_group()  # the world, and every group of it, ends; a new world starts on the same ranks
+    gc.collect()
+    # Freed with the world, not at interpreter exit (where freeing a gloo group can abort the process).
+    assert [g() for g in old_groups] == [None] * len(old_groups)
     dist.init_process_group("gloo", init_method=f"file://{second_world}", rank=rank, world_size=world_size)
     second = cached_distributed_transport(None)
     assert isinstance(second, DistributedTransport) and second is not first
-    assert second.process_group is dist.group.WORLD
     out_second = layer(xs[rank])  # on the new world: both batches, both steps, as one BatchNorm would see them
     expected = reference(torch.cat(xs))
     rows = slice(sum(len(x) for x in xs[:rank]), sum(len(x) for x in xs[: rank + 1]))

@@ -165,7 +165,7 @@ def test_clip_mode_dataparallel_matches_hand_written_float64(clip_mode: None, on
     _check_clip([out.detach()], [x.grad], [x.detach()], [dy], layer, initial, "dataparallel")
 
 
-# Measured with torch 2.13 CPU, (4, 8, 3, 3) float32, world size 2 over gloo: native 178, compiled 421 (the module's
+# Measured with torch 2.13 CPU, (4, 8, 3, 3) float32, world size 2 over gloo: native 179, compiled 422 (the module's
 # Python and torch.distributed's group lookups included). Before each layer kept its transport until the groups change
 # (syncbn_dist.comm.distributed.cached_distributed_transport) and asked is_compiling once per forward: 227 and 459;
 # before the eager path read the kernel switch first, looked up nothing for the compiled kernels on the native ones

@@ -6,6 +6,7 @@ The only module of the package that calls collectives on a process group (the ag
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
@@ -182,20 +183,38 @@ def distributed_transport(process_group: Optional[Any]) -> Optional[DistributedT
     return DistributedTransport(process_group)
 
 
-# cached_distributed_transport's answers, by the id of the group asked about (the group is kept in the entry, so that
-# its id is not reused), for the default group they were found under.
-_TRANSPORTS: dict[int, tuple[Any, Optional[DistributedTransport]]] = {}
-_TRANSPORTS_WORLD: list[Any] = [None]
+class _WeakGroupTransport(DistributedTransport):
+    """A :class:`DistributedTransport` that does not keep its process group alive (:func:`cached_distributed_transport`
+    holds these): a group must be freed when ``torch.distributed`` destroys it, not during interpreter finalization,
+    where freeing a gloo group can abort the process (docs/troubleshooting.md, "SIGABRT or a hang at exit")."""
+
+    def __init__(self, process_group: Any) -> None:  # not super().__init__: process_group is a property here
+        self._group_ref = weakref.ref(process_group)
+
+    @property
+    def process_group(self) -> Any:  # type: ignore[override]
+        group = self._group_ref()
+        if group is None:
+            raise RuntimeError("the process group of this synchronized layer's transport no longer exists")
+        return group
+
+
+# cached_distributed_transport's answers, held without a strong reference to any process group: the world group's
+# transport (which names it None), the subgroups' transports by group, and the world group they were found under.
+_GROUP_TRANSPORTS: weakref.WeakKeyDictionary[Any, Optional[DistributedTransport]] = weakref.WeakKeyDictionary()
+_WORLD_TRANSPORT: list[Any] = [None]
+_TRANSPORTS_WORLD: list[Any] = [lambda: None]  # a weak reference to the world group (a dead one's answers None)
 _DIST_AVAILABLE = dist.is_available()
+_MISSING = object()
 
 
 def cached_distributed_transport(process_group: Optional[Any]) -> Optional[DistributedTransport]:
     """:func:`distributed_transport`, remembered per group until the default group changes (eager mode only).
 
     A layer asks at every training forward, and the answer changes only when groups do: after the first call for a
-    group this costs a dictionary lookup and the default group's, instead of torch.distributed's rank and size
-    queries and a new transport. The world group's transport holds the world group itself (``process_group`` None
-    is resolved once). A non-member's ValueError is raised at every call (nothing is remembered for it).
+    group this costs a lookup and the default group's, instead of torch.distributed's rank and size queries and a
+    new transport. Nothing remembered keeps a process group alive (a destroyed group is freed as it would be without
+    the cache). A non-member's ValueError is raised at every call (nothing is remembered for it).
 
     Args, Returns, Raises: as :func:`distributed_transport`.
     """
@@ -204,16 +223,21 @@ def cached_distributed_transport(process_group: Optional[Any]) -> Optional[Distr
     world = dist.group.WORLD
     if world is None:
         return None
-    if _TRANSPORTS_WORLD[0] is not world:  # a new default group: every group of the old one is gone with it
-        _TRANSPORTS.clear()
-        _TRANSPORTS_WORLD[0] = world
-    entry = _TRANSPORTS.get(id(process_group))
-    if entry is not None and entry[0] is process_group:
-        return entry[1]
-    transport = distributed_transport(process_group)
-    if transport is not None and process_group is None:
-        transport = DistributedTransport(world)
-    _TRANSPORTS[id(process_group)] = (process_group, transport)
+    if _TRANSPORTS_WORLD[0]() is not world:  # a new default group: every group of the old one is gone with it
+        _GROUP_TRANSPORTS.clear()
+        _WORLD_TRANSPORT[0] = distributed_transport(None)
+        _TRANSPORTS_WORLD[0] = weakref.ref(world)
+    if process_group is None:
+        return _WORLD_TRANSPORT[0]
+    try:
+        transport = _GROUP_TRANSPORTS.get(process_group, _MISSING)
+    except TypeError:  # no process group (a non-member's NON_GROUP_MEMBER, an int): distributed_transport says so
+        return distributed_transport(process_group)
+    if transport is _MISSING:
+        transport = distributed_transport(process_group)
+        if transport is not None:
+            transport = _WeakGroupTransport(process_group)
+        _GROUP_TRANSPORTS[process_group] = transport
     return transport
 
 
