@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import resource
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,17 +57,22 @@ class _SuiteCost:
     The test budget (pyproject.toml's ``test_budget_s``, wall seconds on 2 cores): a test that takes longer is marked
     ``@pytest.mark.over_budget("reason")`` and says why in its docstring. An unmarked test over budget is listed, not
     failed: a test's time depends on the machine's load; speed is what the benchmarks measure, the tests check
-    correctness. Also listed: the jobs the pooled gloo ranks ran, and the rank processes spawned for them.
+    correctness. Also listed: the jobs the pooled gloo ranks ran, the rank processes spawned for them, and the run's
+    CPU seconds (on 2 cores the suite is CPU-bound: its wall time follows them), with the tests that took the most.
     """
 
     def __init__(self, budget_s: float) -> None:
         self.budget_s = budget_s
         self.over: list[tuple[float, str]] = []
         self.worlds: list[dict[str, Any]] = []
+        self.cpu: list[tuple[float, str]] = []  # (CPU seconds of the test's call, with its children's; nodeid)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.when == "call" and report.duration > self.budget_s and "over_budget" not in report.keywords:
+        if report.when != "call":
+            return
+        if report.duration > self.budget_s and "over_budget" not in report.keywords:
             self.over.append((report.duration, report.nodeid))
+        self.cpu.extend((value, report.nodeid) for name, value in report.user_properties if name == _CPU_S)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:  # an xdist worker's pool statistics
@@ -75,6 +81,7 @@ class _SuiteCost:
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         jobs = sum(w["jobs"] for w in self.worlds)
+        ranks_cpu_s = sum(w["cpu_s"] for w in self.worlds)
         if jobs:
             spawned, evicted = (sum(w[key] for w in self.worlds) for key in ("spawned", "evicted"))
             retired = sorted({reason for w in self.worlds for reason in w["retired"]})
@@ -82,10 +89,35 @@ class _SuiteCost:
                 f"pooled gloo ranks: {jobs} jobs on {spawned} rank processes ({evicted} ended to make room, "
                 f"{sum(len(w['retired']) for w in self.worlds)} retired{': ' if retired else ''}{'; '.join(retired)})"
             )
+        if self.cpu:
+            tests_cpu_s = sum(value for value, _ in self.cpu)
+            terminalreporter.write_line(
+                f"CPU seconds: {tests_cpu_s + ranks_cpu_s:.0f} (the tests' calls {tests_cpu_s:.0f}, with the processes "
+                f"they started; the pooled ranks {ranks_cpu_s:.0f}); the tests that took the most:"
+            )
+            for value, nodeid in sorted(self.cpu, reverse=True)[:10]:
+                terminalreporter.write_line(f"  {value:6.1f} s  {nodeid}")
         if self.over:
             terminalreporter.section(f"unmarked tests over the {self.budget_s:g} s test budget", yellow=True)
             for duration, nodeid in sorted(self.over, reverse=True):
                 terminalreporter.line(f"{duration:.1f}s {nodeid}: mark it over_budget, saying why, or make it leaner")
+
+
+_CPU_S = "cpu_s"
+
+
+def _cpu_s(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """The CPU seconds of a test's call: its own process's, and those of the processes it started and waited for
+    (ranks spawned afresh, torchrun jobs, subprocesses); the pooled ranks' are counted when they end (the report)."""
+    start = _cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN)
+    yield
+    item.user_properties.append((_CPU_S, _cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN) - start))
 
 
 # SYNCBN_DIST_TEST_POOL=0: every multi-process test spawns its ranks afresh, as outside the suite (to tell a pooled
@@ -103,7 +135,10 @@ def _pooled_worlds(pytestconfig: pytest.Config) -> Iterator[None]:
         return
     with pooled_worlds() as pool:
         yield
+        before = _cpu_s(resource.RUSAGE_CHILDREN)
     stats = {"jobs": pool.jobs, "spawned": pool.spawned, "evicted": pool.evicted, "retired": pool.retired}
+    # The ranks' CPU over their lifetimes, counted when they end here (ranks retired earlier, in their test's).
+    stats["cpu_s"] = _cpu_s(resource.RUSAGE_CHILDREN) - before
     if hasattr(pytestconfig, "workerinput"):
         pytestconfig.workeroutput["worlds"] = stats  # type: ignore[attr-defined]  (xdist sends it to the controller)
     else:
