@@ -92,7 +92,7 @@ class _SuiteCost:
         if self.cpu:
             tests_cpu_s = sum(value for value, _ in self.cpu)
             terminalreporter.write_line(
-                f"CPU seconds: {tests_cpu_s + ranks_cpu_s:.0f} (the tests' calls {tests_cpu_s:.0f}, with the processes "
+                f"CPU seconds: {tests_cpu_s + ranks_cpu_s:.0f} (the tests {tests_cpu_s:.0f}, with the processes "
                 f"they started; the pooled ranks {ranks_cpu_s:.0f}); the tests that took the most:"
             )
             for value, nodeid in sorted(self.cpu, reverse=True)[:10]:
@@ -111,13 +111,29 @@ def _cpu_s(who: int) -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+_SETUP_CPU_S = pytest.StashKey[float]()
+
+
+def _cpu_now_s() -> float:
+    return _cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    start = _cpu_now_s()
+    yield
+    item.stash[_SETUP_CPU_S] = _cpu_now_s() - start
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    """The CPU seconds of a test's call: its own process's, and those of the processes it started and waited for
-    (ranks spawned afresh, torchrun jobs, subprocesses); the pooled ranks' are counted when they end (the report)."""
-    start = _cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN)
+    """The CPU seconds of a test's setup and call: its own process's, and those of the processes it started and
+    waited for (ranks spawned afresh, torchrun jobs, subprocesses, a shared run a fixture makes); the pooled ranks'
+    are counted when they end (the report). Teardown is left out: the pool ends in the last test's."""
+    start = _cpu_now_s()
     yield
-    item.user_properties.append((_CPU_S, _cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN) - start))
+    spent = _cpu_now_s() - start + item.stash.get(_SETUP_CPU_S, 0.0)
+    item.user_properties.append((_CPU_S, spent))
 
 
 # SYNCBN_DIST_TEST_POOL=0: every multi-process test spawns its ranks afresh, as outside the suite (to tell a pooled

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from filelock import FileLock
 
 from launch.common.config import parse_config
 from launch.common.spawn import run_distributed
@@ -549,15 +550,38 @@ def jobs() -> Any:
         job.close()
 
 
+@pytest.fixture(scope="session")
+def uninterrupted_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """The uninterrupted torchrun run of ``JOB`` that the interrupted and the multi-node runs must reproduce; its
+    output_dir.
+
+    Run once per session, by the first test that asks; the xdist workers share it through a file lock in the
+    session's directory (the other worker waits for it, then reads it). Each of those tests used to run its own."""
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        shared = shared.parent  # the session's directory, above each worker's own
+    out, done = shared / "uninterrupted", shared / "uninterrupted.done"
+    with FileLock(str(shared / "uninterrupted.lock")):
+        if not done.is_file():
+            job = _Job(STANDALONE, out)
+            try:
+                job.succeed()
+            finally:
+                job.close()
+            done.touch()
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.over_budget("three torchrun jobs of 3 epochs: the reference, the stopped one, its resume")
-def test_sigterm_to_torchrun_mid_training_then_resume_equals_the_uninterrupted_run(tmp_path: Path, jobs: Any) -> None:
+@pytest.mark.over_budget("two torchrun jobs of 3 epochs: the stopped one and its resume")
+def test_sigterm_to_torchrun_mid_training_then_resume_equals_the_uninterrupted_run(
+    tmp_path: Path, jobs: Any, uninterrupted_run: Path
+) -> None:
     """SIGTERM to torchrun mid-epoch: both workers checkpoint and exit 0; resume=true finishes as the uninterrupted run.
 
-    Over 30 s: three torchrun jobs (an agent and two workers each), the reference beside the stopped run: a real
-    torchrun's signal forwarding and its workers' exit are the assertion."""
-    reference = jobs(STANDALONE, tmp_path / "reference")
+    About 30 s under the suite's load: two torchrun jobs (an agent and two workers each; the uninterrupted run is the
+    session's, made once): a real torchrun's signal forwarding and its workers' exit are the assertion."""
     stopped = jobs(STANDALONE, tmp_path / "stopped")
     rows = stopped.wait_for_epoch(1)
     time.sleep(0.3 * rows[0]["epoch_time_s"])  # into epoch 2, most likely mid-epoch
@@ -574,9 +598,8 @@ def test_sigterm_to_torchrun_mid_training_then_resume_equals_the_uninterrupted_r
     assert _metrics(tmp_path / "stopped")["stopped_at"] == {**position, "signal": "SIGTERM"}
 
     jobs(STANDALONE, tmp_path / "stopped", "resume=true", log="resumed").succeed()
-    reference.succeed()
     assert _metrics(tmp_path / "stopped")["resumed_from"] == [position]
-    _assert_same_training(tmp_path / "stopped", tmp_path / "reference")
+    _assert_same_training(tmp_path / "stopped", uninterrupted_run)
 
 
 @pytest.mark.slow
@@ -623,28 +646,26 @@ def _without_timing(metrics: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-@pytest.mark.over_budget("two torchrun jobs of 3 epochs, one of which restarts its workers")
+@pytest.mark.over_budget("a torchrun job of 3 epochs that restarts its workers")
 def test_sigkilled_worker_mid_epoch_is_restarted_and_finishes_as_the_uninterrupted_run(
-    tmp_path: Path, jobs: Any
+    tmp_path: Path, jobs: Any, uninterrupted_run: Path
 ) -> None:
     """A worker SIGKILLed mid-epoch: torchrun restarts both once and the job finishes as the uninterrupted run.
 
-    Over 30 s: two torchrun jobs (the reference beside the killed one), and the restart starts two workers again; a
-    real torchrun's restart is the assertion."""
+    About 30 s under the suite's load: a torchrun job whose restart starts two workers again (the uninterrupted run is
+    the session's, made once); a real torchrun's restart is the assertion."""
     every = 5  # of the 44 steps of an epoch
-    reference = jobs(STANDALONE, tmp_path / "reference")
     restarted = jobs([*STANDALONE, "--max-restarts=1"], tmp_path / "restarted", f"train.checkpoint_every_steps={every}")
     _wait_for_checkpoint(restarted, epoch=1, step=every)  # epoch 2 is under way
     workers = restarted.workers()
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGKILL)  # as the OOM killer would: no handler, no checkpoint
     restarted.succeed()  # torchrun restarts both workers once; the job finishes and exits 0
-    reference.succeed()
     log = restarted.text()
     # torchrun restarted the workers once (TORCHELASTIC_RESTART_COUNT=1), and the restart continued by itself.
     assert "restart 1: resuming after epoch 1 + " in log, log
     assert "shares its store" not in log  # env_outside_torchrun launched torchrun with a fresh store per attempt
-    got, want = _metrics(tmp_path / "restarted"), _metrics(tmp_path / "reference")
+    got, want = _metrics(tmp_path / "restarted"), _metrics(uninterrupted_run)
     (resumed,) = got["resumed_from"]
     assert resumed["epoch"] == 1 and 0 < resumed["step"] < got["steps_per_epoch"] and resumed["step"] % every == 0
     assert got["state_sha256"] == want["state_sha256"] and len(set(got["state_sha256"])) == 1  # bit-identical
@@ -659,8 +680,8 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_nodes_on_loopback_equal_a_single_node_run(tmp_path: Path, jobs: Any) -> None:
-    single = jobs(STANDALONE, tmp_path / "single", "train.epochs=2")
+def test_two_nodes_on_loopback_equal_a_single_node_run(tmp_path: Path, jobs: Any, uninterrupted_run: Path) -> None:
+    single = uninterrupted_run  # 2 processes on one node
     port = _free_port()
     node = [
         *TORCHRUN,
@@ -672,16 +693,16 @@ def test_two_nodes_on_loopback_equal_a_single_node_run(tmp_path: Path, jobs: Any
         "--local_addr=127.0.0.1",
     ]
     # One output_dir (loopback: shared storage), written by whichever node the rendezvous makes rank 0.
-    nodes = [jobs(node, tmp_path / "multinode", "train.epochs=2", log=f"node{r}") for r in (0, 1)]
-    for job in [*nodes, single]:
+    nodes = [jobs(node, tmp_path / "multinode", log=f"node{r}") for r in (0, 1)]
+    for job in nodes:
         job.succeed()
-    got, want = _metrics(tmp_path / "multinode"), _metrics(tmp_path / "single")
+    got, want = _metrics(tmp_path / "multinode"), _metrics(single)
     assert got["world_size"] == 2 and got["bn_transport"] == ["distributed"]
     # Every rank's final state digest (parameters and running statistics): identical across the two
     # nodes, and to the single-node run's.
     assert len(got["state_sha256"]) == 2 and len(set(got["state_sha256"])) == 1
     assert got["state_sha256"] == want["state_sha256"]
-    got_state, want_state = _checkpoint(tmp_path / "multinode")["model"], _checkpoint(tmp_path / "single")["model"]
+    got_state, want_state = _checkpoint(tmp_path / "multinode")["model"], _checkpoint(single)["model"]
     for name in [n for n in want_state if n.endswith(("running_mean", "running_var", "num_batches_tracked"))]:
         # Same seed, shards and two-term sums (commutative in IEEE arithmetic): bit-identical.
         torch.testing.assert_close(got_state[name], want_state[name], rtol=0, atol=0, msg=name)
