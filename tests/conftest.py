@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from launch.common.spawn import pooled_worlds
+from launch.common.spawn import pooled_job_cpu_s, pooled_worlds
 from syncbn_dist.kernels import KERNELS_ENV
 
 # The suite runs the native kernels unless a test asks for the compiled ones (the ``kernel_mode`` fixture): every
@@ -81,7 +81,8 @@ class _SuiteCost:
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         jobs = sum(w["jobs"] for w in self.worlds)
-        ranks_cpu_s = sum(w["cpu_s"] for w in self.worlds)
+        # The pooled ranks' CPU outside jobs (start-up, idle); their jobs' is in the tests'.
+        ranks_cpu_s = sum(w["cpu_s"] - w["job_cpu_s"] for w in self.worlds)
         if jobs:
             spawned, evicted = (sum(w[key] for w in self.worlds) for key in ("spawned", "evicted"))
             retired = sorted({reason for w in self.worlds for reason in w["retired"]})
@@ -93,7 +94,8 @@ class _SuiteCost:
             tests_cpu_s = sum(value for value, _ in self.cpu)
             terminalreporter.write_line(
                 f"CPU seconds: {tests_cpu_s + ranks_cpu_s:.0f} (the tests {tests_cpu_s:.0f}, with the processes "
-                f"they started; the pooled ranks {ranks_cpu_s:.0f}); the tests that took the most:"
+                f"they started and their pooled jobs; the pooled ranks outside jobs {ranks_cpu_s:.0f}); the tests that "
+                "took the most:"
             )
             for value, nodeid in sorted(self.cpu, reverse=True)[:10]:
                 terminalreporter.write_line(f"  {value:6.1f} s  {nodeid}")
@@ -115,7 +117,7 @@ _SETUP_CPU_S = pytest.StashKey[float]()
 
 
 def _cpu_now_s() -> float:
-    return _cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN)
+    return _cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN) + pooled_job_cpu_s()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -127,9 +129,9 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    """The CPU seconds of a test's setup and call: its own process's, and those of the processes it started and
-    waited for (ranks spawned afresh, torchrun jobs, subprocesses, a shared run a fixture makes); the pooled ranks'
-    are counted when they end (the report). Teardown is left out: the pool ends in the last test's."""
+    """The CPU seconds of a test's setup and call: its own process's, those of the processes it started and waited for
+    (ranks spawned afresh, torchrun jobs, subprocesses, a shared run a fixture makes) and its pooled ranks' in its
+    jobs. Teardown is left out: the pool ends in the last test's."""
     start = _cpu_now_s()
     yield
     spent = _cpu_now_s() - start + item.stash.get(_SETUP_CPU_S, 0.0)
@@ -155,6 +157,7 @@ def _pooled_worlds(pytestconfig: pytest.Config) -> Iterator[None]:
     stats = {"jobs": pool.jobs, "spawned": pool.spawned, "evicted": pool.evicted, "retired": pool.retired}
     # The ranks' CPU over their lifetimes, counted when they end here (ranks retired earlier, in their test's).
     stats["cpu_s"] = _cpu_s(resource.RUSAGE_CHILDREN) - before
+    stats["job_cpu_s"] = pool.job_cpu_s
     if hasattr(pytestconfig, "workerinput"):
         pytestconfig.workeroutput["worlds"] = stats  # type: ignore[attr-defined]  (xdist sends it to the controller)
     else:

@@ -179,6 +179,11 @@ def run_distributed(
     return job_results(reports, world_size, hung, timeout, lambda rank: procs[rank].exitcode)
 
 
+def pooled_job_cpu_s() -> float:
+    """The CPU seconds the ranks of the current :func:`pooled_worlds` spent in jobs so far (0 outside one)."""
+    return 0.0 if _POOL is None else _POOL.job_cpu_s
+
+
 @contextlib.contextmanager
 def pooled_worlds(max_ranks: int = 8) -> Iterator[WorldPool]:
     """Within the block, :func:`run_distributed` runs gloo jobs on long-lived rank processes

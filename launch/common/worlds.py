@@ -42,6 +42,7 @@ import ctypes
 import gc
 import os
 import pickle
+import resource
 import shutil
 import signal
 import sys
@@ -288,6 +289,7 @@ def _serve(conn: Connection) -> None:
         os.environ.clear()
         os.environ.update(env)
         torch.seed()
+        cpu_start = _cpu_s()
         ok, payload, subclasses = _job(rank, world_size, job, init_file, collective_timeout, threads)
         try:
             retire = start.restore()
@@ -298,7 +300,13 @@ def _serve(conn: Connection) -> None:
             retire = f"the job's subclasses of nn.SyncBatchNorm are alive: {sorted(c.__qualname__ for c in left)}"
         sys.stdout.flush()  # what the job printed, while its test still captures the output
         sys.stderr.flush()
-        conn.send((ok, payload, retire))
+        conn.send((ok, payload, retire, _cpu_s() - cpu_start))
+
+
+def _cpu_s() -> float:
+    """This process's CPU seconds, with those of the children it waited for (inductor's compile workers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 class _Rank:
@@ -333,13 +341,14 @@ def _run_job(
     ranks: list[_Rank], message: tuple[Any, ...], timeout: Optional[float]
 ) -> tuple[dict[int, tuple[bool, Any]], bool, dict[int, str]]:
     """Send ``message`` (a job less rank and world size) to every rank; return (reports by rank, whether ranks were
-    still running at the deadline, why each rank that must be retired must be)."""
+    still running at the deadline, why each rank that must be retired must be, the CPU seconds the ranks reported)."""
     job, init_file, collective_timeout, threads, env = message
     for rank, member in enumerate(ranks):
         member.conn.send((job, rank, len(ranks), init_file, collective_timeout, threads, env))
     deadline = float("inf") if timeout is None else time.monotonic() + timeout
     reports: dict[int, tuple[bool, Any]] = {}
     retire: dict[int, str] = {}
+    cpu_s = 0.0
     pending = dict(enumerate(ranks))
     while pending and time.monotonic() < deadline:
         remaining = deadline - time.monotonic()
@@ -348,11 +357,12 @@ def _run_job(
         for rank, member in list(pending.items()):
             if member.conn.poll():
                 try:
-                    ok, payload, reason = member.conn.recv()
+                    ok, payload, reason, spent = member.conn.recv()
                 except EOFError:  # died without a report
                     del pending[rank]
                     continue
                 reports[rank] = (ok, payload)
+                cpu_s += spent
                 if reason is not None:
                     retire[rank] = reason
                 del pending[rank]
@@ -365,7 +375,7 @@ def _run_job(
             retire[rank] = "no report"
         elif failed:
             retire.setdefault(rank, "the job failed")
-    return reports, hung, retire
+    return reports, hung, retire, cpu_s
 
 
 class WorldPool:
@@ -377,12 +387,14 @@ class WorldPool:
 
     Attributes:
         jobs: jobs run so far; spawned: rank processes started; evicted: processes ended to make room for others;
-        retired: why each process that a job ended was retired.
+        retired: why each process that a job ended was retired; job_cpu_s: the CPU seconds of the jobs' ranks, from
+        the jobs' start to their state put back (each rank's own count; start-up and idle time are not in it).
     """
 
     def __init__(self, max_ranks: int) -> None:
         self.max_ranks = max_ranks
         self.jobs = 0
+        self.job_cpu_s = 0.0
         self.spawned = 0
         self.evicted = 0
         self.retired: list[str] = []
@@ -405,9 +417,10 @@ class WorldPool:
         init_file = os.path.join(self._tmp, f"rendezvous-{self.jobs}")
         self.jobs += 1
         try:
-            reports, hung, retire = _run_job(
+            reports, hung, retire, cpu_s = _run_job(
                 ranks, (job, init_file, collective_timeout, threads, dict(os.environ)), timeout
             )
+            self.job_cpu_s += cpu_s
         except BaseException:  # noqa: B036 - interrupted (a test's own timeout, say): these ranks serve no more
             self._retire(key, {rank: "interrupted" for rank in range(world_size)}, kill=True)
             raise
