@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from launch.common.spawn import pooled_job_cpu_s, pooled_worlds
+from launch.common.worlds import cpu_seconds
 from syncbn_dist.kernels import KERNELS_ENV
 
 # The suite runs the native kernels unless a test asks for the compiled ones (the ``kernel_mode`` fixture): every
@@ -65,7 +66,8 @@ class _SuiteCost:
         self.budget_s = budget_s
         self.over: list[tuple[float, str]] = []
         self.worlds: list[dict[str, Any]] = []
-        self.cpu: list[tuple[float, str]] = []  # (CPU seconds of the test's call, with its children's; nodeid)
+        # (CPU seconds of a test's setup and call, its children's and pooled jobs' included; nodeid)
+        self.cpu: list[tuple[float, str]] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call":
@@ -108,16 +110,11 @@ class _SuiteCost:
 _CPU_S = "cpu_s"
 
 
-def _cpu_s(who: int) -> float:
-    usage = resource.getrusage(who)
-    return usage.ru_utime + usage.ru_stime
-
-
 _SETUP_CPU_S = pytest.StashKey[float]()
 
 
 def _cpu_now_s() -> float:
-    return _cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN) + pooled_job_cpu_s()
+    return cpu_seconds(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) + pooled_job_cpu_s()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -153,10 +150,10 @@ def _pooled_worlds(pytestconfig: pytest.Config) -> Iterator[None]:
         return
     with pooled_worlds() as pool:
         yield
-        before = _cpu_s(resource.RUSAGE_CHILDREN)
+        before = cpu_seconds(resource.RUSAGE_CHILDREN)
     stats = {"jobs": pool.jobs, "spawned": pool.spawned, "evicted": pool.evicted, "retired": pool.retired}
     # The ranks' CPU over their lifetimes, counted when they end here (ranks retired earlier, in their test's).
-    stats["cpu_s"] = _cpu_s(resource.RUSAGE_CHILDREN) - before
+    stats["cpu_s"] = cpu_seconds(resource.RUSAGE_CHILDREN) - before
     stats["job_cpu_s"] = pool.job_cpu_s
     if hasattr(pytestconfig, "workerinput"):
         pytestconfig.workeroutput["worlds"] = stats  # type: ignore[attr-defined]  (xdist sends it to the controller)

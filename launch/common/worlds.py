@@ -289,7 +289,7 @@ def _serve(conn: Connection) -> None:
         os.environ.clear()
         os.environ.update(env)
         torch.seed()
-        cpu_start = _cpu_s()
+        cpu_start = cpu_seconds(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
         ok, payload, subclasses = _job(rank, world_size, job, init_file, collective_timeout, threads)
         try:
             retire = start.restore()
@@ -300,13 +300,14 @@ def _serve(conn: Connection) -> None:
             retire = f"the job's subclasses of nn.SyncBatchNorm are alive: {sorted(c.__qualname__ for c in left)}"
         sys.stdout.flush()  # what the job printed, while its test still captures the output
         sys.stderr.flush()
-        conn.send((ok, payload, retire, _cpu_s() - cpu_start))
+        # This process's CPU in the job, with that of the children it waited for (inductor's compile workers).
+        conn.send((ok, payload, retire, cpu_seconds(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) - cpu_start))
 
 
-def _cpu_s() -> float:
-    """This process's CPU seconds, with those of the children it waited for (inductor's compile workers)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+def cpu_seconds(*who: int) -> float:
+    """User plus system CPU seconds of ``getrusage(w)`` for each ``w`` in ``who`` (``resource.RUSAGE_SELF``,
+    ``resource.RUSAGE_CHILDREN``: the children this process waited for), summed."""
+    return sum(usage.ru_utime + usage.ru_stime for usage in map(resource.getrusage, who))
 
 
 class _Rank:
@@ -339,7 +340,7 @@ class _Rank:
 
 def _run_job(
     ranks: list[_Rank], message: tuple[Any, ...], timeout: Optional[float]
-) -> tuple[dict[int, tuple[bool, Any]], bool, dict[int, str]]:
+) -> tuple[dict[int, tuple[bool, Any]], bool, dict[int, str], float]:
     """Send ``message`` (a job less rank and world size) to every rank; return (reports by rank, whether ranks were
     still running at the deadline, why each rank that must be retired must be, the CPU seconds the ranks reported)."""
     job, init_file, collective_timeout, threads, env = message

@@ -7,7 +7,7 @@ The only module of the package that calls collectives on a process group (the ag
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -199,11 +199,17 @@ class _WeakGroupTransport(DistributedTransport):
         return group
 
 
-# cached_distributed_transport's answers, held without a strong reference to any process group: the world group's
-# transport (which names it None), the subgroups' transports by group, and the world group they were found under.
-_GROUP_TRANSPORTS: weakref.WeakKeyDictionary[Any, Optional[DistributedTransport]] = weakref.WeakKeyDictionary()
-_WORLD_TRANSPORT: list[Any] = [None]
-_TRANSPORTS_WORLD: list[Any] = [lambda: None]  # a weak reference to the world group (a dead one's answers None)
+class _TransportCache:
+    """:func:`cached_distributed_transport`'s answers, holding no process group strongly: the world group's transport
+    (which names it None), the subgroups' transports by group, and the world group they were found under."""
+
+    def __init__(self) -> None:
+        self.world: Callable[[], Any] = lambda: None  # a weak reference to the world group (a dead one's gives None)
+        self.world_transport: Optional[DistributedTransport] = None
+        self.groups: weakref.WeakKeyDictionary[Any, Optional[DistributedTransport]] = weakref.WeakKeyDictionary()
+
+
+_CACHE = _TransportCache()
 _DIST_AVAILABLE = dist.is_available()
 _MISSING = object()
 
@@ -223,21 +229,21 @@ def cached_distributed_transport(process_group: Optional[Any]) -> Optional[Distr
     world = dist.group.WORLD
     if world is None:
         return None
-    if _TRANSPORTS_WORLD[0]() is not world:  # a new default group: every group of the old one is gone with it
-        _GROUP_TRANSPORTS.clear()
-        _WORLD_TRANSPORT[0] = distributed_transport(None)
-        _TRANSPORTS_WORLD[0] = weakref.ref(world)
+    if _CACHE.world() is not world:  # a new default group: every group of the old one is gone with it
+        _CACHE.groups.clear()
+        _CACHE.world_transport = distributed_transport(None)
+        _CACHE.world = weakref.ref(world)
     if process_group is None:
-        return _WORLD_TRANSPORT[0]
+        return _CACHE.world_transport
     try:
-        transport = _GROUP_TRANSPORTS.get(process_group, _MISSING)
+        transport = _CACHE.groups.get(process_group, _MISSING)
     except TypeError:  # no process group (a non-member's NON_GROUP_MEMBER, an int): distributed_transport says so
         return distributed_transport(process_group)
     if transport is _MISSING:
         transport = distributed_transport(process_group)
         if transport is not None:
             transport = _WeakGroupTransport(process_group)
-        _GROUP_TRANSPORTS[process_group] = transport
+        _CACHE.groups[process_group] = transport
     return transport
 
 
