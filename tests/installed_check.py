@@ -3,7 +3,9 @@
 Run from a directory outside the source tree, it imports only the installed distribution: it asserts that
 ``syncbn_dist`` (every subpackage, ``py.typed``, ``__version__``) comes from that venv, then runs two gloo
 processes whose ``SynchronizedBatchNorm2d`` must equal ``nn.BatchNorm2d`` in float64 on the concatenated global
-batch. It imports nothing from the repository (neither ``tests`` nor ``launch``), since neither is installed.
+batch. The two are forked from this process, after the check, so they run the very modules it checked (spawned,
+each would import torch and syncbn_dist again: seconds of CPU each). It imports nothing from the repository (neither
+``tests`` nor ``launch``), since neither is installed.
 
 Usage: ``python -I installed_check.py SOURCE_ROOT EXPECTED_VERSION``; exits non-zero on any failure.
 """
@@ -91,7 +93,8 @@ def main() -> int:
     assert source_root not in Path.cwd().resolve().parents and Path.cwd().resolve() != source_root
     _check_installed(source_root, expected_version)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"),), nprocs=len(SHARDS), join=True)
+        # Forked: no process group, thread pool or tensor work exists here yet for the ranks to inherit.
+        mp.start_processes(_worker, args=(os.path.join(tmp, "init"),), nprocs=len(SHARDS), start_method="fork")
     print(f"installed syncbn_dist {expected_version}: imports from {sys.prefix}, 2-rank gloo parity ok")
     return 0
 

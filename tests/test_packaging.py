@@ -74,7 +74,11 @@ def test_wheel_installed_outside_the_tree_imports_and_synchronizes(tmp_path: Pat
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path)
     python = str(venv / "bin" / "python")
     # The distribution's version (2.13.0+cpu here; PyPI's CUDA builds report torch.__version__ 2.10.0+cu128 for 2.10.0).
-    _run([*pip, "--python", python, "install", "--quiet", f"torch=={version('torch')}"], tmp_path, timeout=600)
+    # --no-compile: pip would byte-compile all of torch (2300 modules, 10 s of CPU) and its dependencies; the first
+    # import below compiles the ones imported (about 1800 with syncbn_dist's, 2 s) into the venv's __pycache__, which
+    # the processes after it read.
+    torch_spec = f"torch=={version('torch')}"
+    _run([*pip, "--python", python, "install", "--quiet", "--no-compile", torch_spec], tmp_path, timeout=600)
     work = tmp_path / "elsewhere"  # the working directory: outside the tree, and the script's own directory
     work.mkdir()
     # The clone on sys.path by hand, before anything is built in it (no metadata anywhere): the version's fallback.
