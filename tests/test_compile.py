@@ -36,6 +36,10 @@ from syncbn_dist.tracing import eager_replica_thread, is_compiling
 C = 4
 # Per-rank batch sizes of each step: uneven, then an empty rank (the last rank), then even.
 STEPS = [[4, 3, 2], [3, 1, 0], [2, 2, 2]]
+# Inductor's (world size 2): uneven, a rank of one sample, then even at a size both ranks have compiled. dynamic=False
+# compiles a graph per shape, and the ranks' graphs are the same, so a shape one rank compiled is an inductor cache
+# hit for the other: three shapes compiled in all, where STEPS costs five (two at once for the even step).
+INDUCTOR_STEPS = [[4, 3], [3, 1], [3, 3]]
 
 
 def _model(channels_last: bool = False) -> nn.Module:
@@ -61,10 +65,12 @@ def _batch(rank: int, step: int, sizes: Sequence[int], channels_last: bool) -> t
     return (x.contiguous(memory_format=torch.channels_last) if channels_last else x), dy
 
 
-def _train(model: nn.Module, forward: Any, rank: int, world_size: int, variant: str) -> list[dict[str, Tensor]]:
+def _train(
+    model: nn.Module, forward: Any, rank: int, world_size: int, variant: str, steps: Sequence[Sequence[int]]
+) -> list[dict[str, Tensor]]:
     channels_last = variant == "channels_last"
     records = []
-    for step, sizes in enumerate(STEPS):
+    for step, sizes in enumerate(steps):
         x, dy = _batch(rank, step, sizes[:world_size], channels_last)
         model.zero_grad(set_to_none=True)
         x.requires_grad_()
@@ -78,9 +84,9 @@ def _train(model: nn.Module, forward: Any, rank: int, world_size: int, variant: 
     return records
 
 
-def _compiled_step_collectives(compiled: Any, rank: int, world_size: int) -> list[tuple[list[int], str]]:
+def _compiled_step_collectives(compiled: Any, rank: int, sizes: Sequence[int]) -> list[tuple[list[int], str]]:
     """(shape, dtype) of every gloo all_reduce one compiled training step runs, as the profiler records them."""
-    x, dy = _batch(rank, 0, STEPS[0][:world_size], channels_last=False)
+    x, dy = _batch(rank, 0, sizes, channels_last=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         compiled(x.requires_grad_()).backward(dy)
     events = [e for e in prof.events() if e.name == "gloo:all_reduce"]
@@ -91,7 +97,9 @@ def _compiled_step_collectives(compiled: Any, rank: int, world_size: int) -> lis
     return [(e.input_shapes[0], e.input_dtypes[0]) for e in events]
 
 
-def _worker_compiled_equals_eager(rank: int, world_size: int, backend: str, variants: Sequence[str]) -> dict:
+def _worker_compiled_equals_eager(
+    rank: int, world_size: int, backend: str, variants: Sequence[str], steps: Sequence[Sequence[int]]
+) -> dict:
     results: dict[str, Any] = {"graph_breaks": 0}
     for variant in variants:
         # A fresh dynamo state per variant: the variants' compiled models share code objects, whose recompile
@@ -102,11 +110,11 @@ def _worker_compiled_equals_eager(rank: int, world_size: int, backend: str, vari
         compiled_model = copy.deepcopy(eager)
         compiled = torch.compile(compiled_model, backend=backend, fullgraph=True, dynamic=False)
         results[variant] = (
-            _train(compiled_model, compiled, rank, world_size, variant),
-            _train(eager, eager, rank, world_size, variant),
+            _train(compiled_model, compiled, rank, world_size, variant, steps),
+            _train(eager, eager, rank, world_size, variant, steps),
         )
         if variant == "float32":
-            results["collectives"] = _compiled_step_collectives(compiled, rank, world_size)
+            results["collectives"] = _compiled_step_collectives(compiled, rank, steps[0][:world_size])
         results["graph_breaks"] += sum(torch._dynamo.utils.counters["graph_break"].values())
     return results
 
@@ -155,22 +163,22 @@ def test_fullgraph_aot_eager_equals_eager(world_size: int) -> None:
     # Every variant at world size 2 (uneven and empty shards); world size 3 repeats float32, whose collectives are
     # the ones that change with more members (the layout and dtype variants change no collective).
     variants = ["float32", "channels_last", "bfloat16"] if world_size == 2 else ["float32"]
-    results = run_distributed(_worker_compiled_equals_eager, world_size, "aot_eager", variants, timeout=280)
+    results = run_distributed(_worker_compiled_equals_eager, world_size, "aot_eager", variants, STEPS, timeout=280)
     _check_equal(results, variants, "aot_eager")
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.skipif(not any(shutil.which(cc) for cc in ("g++", "c++")), reason="inductor needs a C++ compiler")
-@pytest.mark.over_budget("inductor compiles each rank's graphs for three step shapes, from an empty cache in CI")
+@pytest.mark.over_budget("inductor compiles the ranks' graphs for three shapes, from an empty cache in CI")
 def test_fullgraph_inductor_equals_eager() -> None:
     """Inductor's compiled model (fullgraph) equals eager on every rank: outputs, gradients, running statistics, and
     the compiled step's collectives.
 
-    Over 30 s from an empty inductor cache (44 s in a fresh clone on 2 cores; 9 s warm): dynamic=False compiles a
-    forward and a backward graph for each of the three step shapes, and the ranks' shapes differ (uneven and empty
-    shards), so no rank's graphs are a cache hit for the other; inductor's generated C++ is what the test checks."""
-    results = run_distributed(_worker_compiled_equals_eager, 2, "inductor", ["float32"], timeout=280)
+    Over 30 s from an empty inductor cache (40 CPU seconds alone on 2 cores, 54 before INDUCTOR_STEPS; 9 s warm):
+    dynamic=False compiles a forward and a backward graph for each shape, three shapes across the two ranks (uneven
+    shards, one of one sample); inductor's generated C++ is what the test checks."""
+    results = run_distributed(_worker_compiled_equals_eager, 2, "inductor", ["float32"], INDUCTOR_STEPS, timeout=280)
     _check_equal(results, ["float32"], "inductor")
 
 
