@@ -42,11 +42,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test marked over_budget gives a reason and a docstring that says why it needs the time."""
+    """A test marked over_budget gives a reason and a docstring that says why it needs the time; and the longest tests
+    run first.
+
+    The order is the longest-first rule of scheduling: the over_budget tests, then the slow ones, then the rest, each
+    group in collection order. xdist's worksteal hands each worker a share of the list and moves tests from a busy
+    worker's queue to an idle one, so the run ends on short tests that the two workers share, instead of one worker
+    running a minute-long test found last while the other has nothing left.
+    """
     for item in items:
         marker = item.get_closest_marker("over_budget")
         if marker is not None and not (marker.args and getattr(getattr(item, "function", None), "__doc__", None)):
             raise pytest.UsageError(f"{item.nodeid}: over_budget needs a reason, and the test a docstring saying why")
+    items.sort(key=lambda item: 0 if "over_budget" in item.keywords else 1 if "slow" in item.keywords else 2)
 
 
 _SUITE_COST = "syncbn-dist-suite-cost"
