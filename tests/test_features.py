@@ -922,8 +922,14 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
+@pytest.mark.over_budget("on the compiled kernels: each precision and memory format is a compilation")
 def test_distributed_features(kernel_mode: str) -> None:
-    """One launch (start-up is the expensive part); each part names itself in its assertion messages."""
+    """One launch (start-up is the expensive part); each part names itself in its assertion messages.
+
+    Over 30 s on the compiled kernels from an empty inductor cache (29-31 s in `make test` on 2 cores; 9 s natively,
+    16 s warm): every precision (bfloat16 under autocast, bfloat16, float16) and memory format (channels_last 2d
+    and 3d) is a signature of the compiled regions, compiled on both ranks; those kernels are what the compiled case
+    checks."""
     results = run_distributed(_worker, 2, timeout=240)
     for precision in PRECISIONS:
         _check_mixed_precision(precision, [r["mixed"][precision] for r in results], "distributed")
