@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Iterator
 from typing import Any, Optional, Sequence, Union
 
@@ -25,6 +24,7 @@ from .comm.agreement import verify_agreement_while_tracing
 from .comm.distributed import cached_distributed_transport
 from .comm.join import JoinBinding, JoinTransport
 from .functions import Transport, _sync_batch_norm
+from .replay import RecordingTransport, ReplayTransport
 from .tracing import eager_replica_thread, is_compiling
 
 __all__ = [
@@ -209,8 +209,8 @@ class SyncBatchNorm(_BatchNorm):
             self._replica_exchange = ctx.sync_master
         else:
             self._replica_exchange = ctx.sync_master.register_slave(copy_id)
-        # Totals of this replica's forwards, replayed if activation checkpointing recomputes them.
-        self._replay_stash: deque[list[Tensor]] = deque()
+        # This replica's payloads and totals, replayed if activation checkpointing recomputes a forward (replay.py).
+        self._replay_records: list[Any] = []
 
     def _select_transport(self, compiling: bool) -> Optional[Transport]:
         if not self.training:
@@ -306,7 +306,7 @@ class SyncBatchNorm(_BatchNorm):
             if isinstance(transport, (JoinTransport, DataParallelTransport)) and self._join_binding is not None:
                 self._join_binding.transport.expect_tracked_forward()  # joined ranks update their buffers too
         if self._replica_exchange is not None:
-            transport = _Recording(transport, self._replay_stash)
+            transport = RecordingTransport(transport, self._replay_records)
         return _sync_batch_norm(
             input,
             self.weight,
@@ -358,7 +358,7 @@ class SyncBatchNorm(_BatchNorm):
                 input, self.running_mean.clone(), self.running_var.clone(), self.weight, self.bias, True, 0.0, self.eps
             )
         if self._replica_exchange is not None:
-            transport = _Replay(transport.name, self._replay_stash)
+            transport = ReplayTransport(transport.name, self._replay_records, self._describe_replica())
         return _sync_batch_norm(
             input, self.weight, self.bias, None, None, 0.0, self.eps, transport, self._eps_mode(), False
         )
@@ -367,44 +367,15 @@ class SyncBatchNorm(_BatchNorm):
         name = self.__dict__.get("_qualified_name") or "<unnamed>"
         return f"layer '{name}' ({type(self).__name__})"
 
+    def _describe_replica(self) -> str:
+        exchange = self._replica_exchange
+        copy_id = exchange.identifier if isinstance(exchange, SlavePipe) else 0
+        return f"{self._describe()} on DataParallel replica {copy_id}"
+
 
 def _is_recomputing() -> bool:
     """True while autograd runs a backward pass, where a module forward is a checkpoint recomputation."""
     return torch._C._current_graph_task_id() != -1
-
-
-class _Recording:
-    """Wraps a transport and records its totals for :class:`_Replay` (DataParallel replicas only)."""
-
-    def __init__(self, transport: Transport, stash: deque[list[Tensor]]) -> None:
-        self.name = transport.name
-        self._transport = transport
-        self._stash = stash
-
-    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        totals = self._transport.all_reduce(tensors)
-        if torch.is_grad_enabled():
-            self._stash.append([t.detach() for t in totals])
-        return totals
-
-    def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None:
-        self._transport.verify_agreement(key, description, verified)
-
-
-class _Replay:
-    """A transport that returns the totals recorded by :class:`_Recording`, oldest first, without talking."""
-
-    def __init__(self, name: str, stash: deque[list[Tensor]]) -> None:
-        self.name = name
-        self._stash = stash
-
-    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        if not self._stash:
-            raise RuntimeError("activation checkpointing recomputed a synchronized layer that never ran forward")
-        return self._stash.popleft()
-
-    def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None:
-        return None
 
 
 class SynchronizedBatchNorm1d(SyncBatchNorm):

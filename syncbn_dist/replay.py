@@ -1,0 +1,145 @@
+"""The totals a DataParallel replica's forward exchanged, replayed when activation checkpointing recomputes it.
+
+A replica's backward runs in one autograd thread for every replica, where no exchange between them can happen, so a
+recomputation (``torch.utils.checkpoint``) cannot ask the peers again. Each replica records, for every forward call of
+a synchronized layer, its own payload (the ``[sum, sum of squares, count]`` of its shard) beside the global total the
+exchange returned; the recomputation computes its payload again from the same input and replays the total recorded
+with that payload.
+
+Keyed by the payload, not by the order of the calls: backward recomputes checkpointed segments in its own order (the
+last segment first), a call outside any segment is recorded but never recomputed, and a segment can be recomputed
+more than once (``retain_graph``). The payload is a fingerprint of the shard (float64 sums of every channel): a
+recomputation finds its own call's, equal up to the rounding of another summation order (a thread count that differs
+between the replica's thread and the backward's). Where two recorded calls of the layer had the same payload but
+different totals (an identical shard on this replica while a peer's differed), nothing tells them apart, and the
+recomputation raises rather than guess.
+
+``use_reentrant=True`` recomputes each replica's segment inside a backward of its own, where the other replicas'
+gradients are out of reach: the replayed total carries no cross-replica gradient, so backward through it raises,
+naming the layer, instead of returning a gradient without the other replicas' terms.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+
+__all__ = ["RecordingTransport", "ReplayTransport"]
+
+# Relative difference below which two payloads are the same shard's (float64 sums of float32 values in another
+# order differ by about 1e-16 * sqrt(count) relative; distinct activations differ in the leading digits).
+_SAME_SHARD_RTOL = 1e-9
+
+
+class _Record(NamedTuple):
+    payload: Tensor
+    totals: list[Tensor]
+
+
+class RecordingTransport:
+    """A replica's transport that records the payload and totals of every call (in every grad mode: reentrant
+    checkpointing runs the original forward under ``no_grad``).
+
+    Args:
+        transport: the replica's :class:`~syncbn_dist.comm.DataParallelTransport`.
+        records: the layer replica's list of records, which :class:`ReplayTransport` reads.
+    """
+
+    def __init__(self, transport: Any, records: list[_Record]) -> None:
+        self.name = transport.name
+        self._transport = transport
+        self._records = records
+
+    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        totals = self._transport.all_reduce(tensors)
+        self._records.append(_Record(tensors[0].detach(), [total.detach() for total in totals]))
+        return totals
+
+    def agreement_group(self) -> Any:
+        return self._transport.agreement_group()
+
+
+class ReplayTransport:
+    """The transport of a replica's recomputation: the totals recorded with this call's payload, without talking.
+
+    Args:
+        name: the transport name the layer reports (``"dataparallel"``).
+        records: the layer replica's records (see :class:`RecordingTransport`).
+        description: names the layer and the replica in errors.
+
+    Raises:
+        RuntimeError: from ``all_reduce``, if no recorded call had this payload, or several had it with different
+            totals; from backward, under ``use_reentrant=True`` checkpointing (see the module docstring).
+    """
+
+    def __init__(self, name: str, records: list[_Record], description: str) -> None:
+        self.name = name
+        self._records = records
+        self._description = description
+
+    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        payload = tensors[0]
+        matches = [record for record in self._records if _same_shard(record.payload, payload.detach())]
+        if not matches:
+            raise RuntimeError(
+                f"activation checkpointing recomputed {self._description} with an input that none of its forward "
+                f"calls in this step had ({len(self._records)} recorded): the checkpointed function must recompute "
+                "the same activations (keep preserve_rng_state=True for dropout)"
+            )
+        totals = matches[0].totals
+        if any(not all(map(_same_values, totals, other.totals)) for other in matches[1:]):
+            raise RuntimeError(
+                f"activation checkpointing recomputed {self._description}, which ran {len(matches)} times in this "
+                "step on the same shard of this replica while the other replicas' shards differed: the recomputation "
+                "cannot tell which call's statistics to replay. Checkpoint those calls in one segment, or train "
+                "over torch.distributed processes, whose recomputation runs the collective again"
+            )
+        return [_ReplayedTotal.apply(payload, totals[0], self._description), *totals[1:]]
+
+    def agreement_group(self) -> None:
+        return None
+
+
+def _same_shard(recorded: Tensor, payload: Tensor) -> bool:
+    """Whether two payloads ``[sum (C), sum of squares (C), count]`` are one shard's: equal counts, and sums equal up to
+    float64 rounding of the values' magnitude (``sqrt(count * sum of squares)`` bounds ``sum(|x|)``)."""
+    if recorded.shape != payload.shape or recorded.device != payload.device:
+        return False
+    if torch.equal(recorded, payload):
+        return True
+    num_features = (payload.numel() - 1) // 2
+    sums, squares, count = payload.split([num_features, num_features, 1])
+    if bool(recorded[-1] != count[0]):
+        return False
+    magnitude = torch.cat([torch.sqrt(count * squares), squares])
+    return bool(((recorded[:-1] - payload[:-1]).abs() <= _SAME_SHARD_RTOL * magnitude).all())
+
+
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=_SAME_SHARD_RTOL, atol=0.0))
+
+
+class _ReplayedTotal(Function):
+    """``payload -> total`` (a recorded constant) that keeps the payload in the graph, so that a backward through the
+    recomputation's own graph (``use_reentrant=True``) reaches it and raises instead of dropping the gradient of the
+    statistics."""
+
+    @staticmethod
+    def forward(payload: Tensor, total: Tensor, description: str) -> Tensor:
+        return total.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.description = inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: Optional[Tensor]) -> tuple[None, None, None]:
+        raise RuntimeError(
+            f"activation checkpointing with use_reentrant=True recomputed {ctx.description} in a backward of its "
+            "own, where the other DataParallel replicas' gradients are out of reach: the global-batch gradient "
+            "cannot be formed there. Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (torch's "
+            "recommended mode), or train over torch.distributed processes"
+        )
