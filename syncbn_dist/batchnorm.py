@@ -14,13 +14,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .comm import (
     DEFAULT_REPLICA_TIMEOUT,
     DataParallelTransport,
+    LayerMismatchError,
     SlavePipe,
     SyncMaster,
     distributed_transport,
     is_debug_enabled,
     new_sync_master,
 )
-from .comm.agreement import verify_agreement_while_tracing
+from .comm import agreement as agreement_module
+from .comm.agreement import CheckedTransport, LayerAgreement, agreement_of, collective_key, verify_while_tracing
 from .comm.distributed import cached_distributed_transport
 from .comm.join import JoinBinding, JoinTransport
 from .functions import Transport, _sync_batch_norm
@@ -80,7 +82,10 @@ class _SoloTransport:
     def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         return list(tensors)
 
-    def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None:
+    def agreement_group(self) -> None:
+        return None
+
+    def check(self, numel: int) -> None:
         return None
 
 
@@ -152,6 +157,9 @@ class SyncBatchNorm(_BatchNorm):
     replica_timeout: Optional[float] = DEFAULT_REPLICA_TIMEOUT
     # "plus", "clip" ("clamp"), or None for the process-wide default of set_sbn_eps_mode.
     eps_mode: Optional[str] = None
+    # What the members of each process group were found to agree on (comm.agreement.agreement_of makes it where a
+    # layer has none: a torch.nn.SyncBatchNorm under the torch patch, a layer unpickled from an older version).
+    _agreement: Optional[LayerAgreement] = None
 
     def __init__(
         self,
@@ -170,9 +178,9 @@ class SyncBatchNorm(_BatchNorm):
         self._transport_record: list[Optional[str]] = [None]
         # Set on DataParallel replicas only, by __data_parallel_replicate__.
         self._replica_exchange: Optional[Union[SyncMaster, SlavePipe]] = None
-        # Process groups on which the members were found to agree on num_features and dtype (shared by
-        # replicas, like _transport_record).
-        self._verified_groups: set[Any] = set()
+        # What the members of each process group were found to agree on (shared by replicas, like
+        # _transport_record): syncbn_dist.comm.agreement.
+        self._agreement = LayerAgreement()
 
     @property
     def last_transport(self) -> Optional[str]:
@@ -186,15 +194,20 @@ class SyncBatchNorm(_BatchNorm):
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
-    def _check_input(self, input: Tensor) -> None:
-        self._check_input_dim(input)
+    def _input_error(self, input: Tensor) -> Optional[Exception]:
+        """What is wrong with ``input`` (the error to raise), or None."""
+        try:
+            self._check_input_dim(input)
+        except (ValueError, TypeError) as error:
+            return error
         if not input.is_floating_point():
-            raise TypeError(f"expected a floating point input (got {input.dtype} input)")
+            return TypeError(f"expected a floating point input (got {input.dtype} input)")
         if input.size(1) != self.num_features:
-            raise ValueError(
+            return ValueError(
                 f"expected input with {self.num_features} channels in dim 1 (got input of shape "
                 f"{tuple(input.shape)}, with {input.size(1)} channels)"
             )
+        return None
 
     def __data_parallel_replicate__(self, ctx: Any, copy_id: int) -> None:
         """Replication callback (see :func:`syncbn_dist.execute_replication_callbacks`).
@@ -212,7 +225,7 @@ class SyncBatchNorm(_BatchNorm):
         # This replica's payloads and totals, replayed if activation checkpointing recomputes a forward (replay.py).
         self._replay_records: list[Any] = []
 
-    def _select_transport(self, compiling: bool) -> Optional[Transport]:
+    def _select_transport(self, input: Tensor, compiling: bool) -> Optional[Transport]:
         if not self.training:
             return None
         # Dynamo traces torch.distributed's own queries (constants in the graph), not a cache of their answers.
@@ -222,10 +235,34 @@ class SyncBatchNorm(_BatchNorm):
         binding = self._join_binding
         if inner is not None and binding is not None and binding.active:  # inside Join (syncbn_dist.join_layers)
             inner = binding.transport
+        if inner is not None and not compiling:
+            agreement = self._agreement  # (None on a torch.nn.SyncBatchNorm before its first check: agreement_of)
+            settled = None if agreement is None else agreement.settled
+            if settled is None or settled[0] is not inner or settled[1] is not input.dtype or agreement_module._DEBUG:
+                inner = self._checked(inner, input.dtype)
         exchange = self._replica_exchange
         if exchange is not None and (isinstance(exchange, SlavePipe) or exchange.nr_slaves > 0):
             return DataParallelTransport(exchange, inner)
         return inner
+
+    def _checked(self, transport: Any, dtype: torch.dtype) -> Any:
+        """``transport``, in a CheckedTransport while a collective of this layer on it needs the agreement check."""
+        if self._agreement_pending(transport, dtype):
+            return CheckedTransport(transport, agreement_of(self), self.num_features, dtype, self._describe())
+        if transport.agreement_group() is not None:
+            agreement_of(self).settled = (transport, dtype)
+        return transport
+
+    def _agreement_pending(self, transport: Any, dtype: torch.dtype) -> bool:
+        """Whether a collective of this layer on ``transport`` still needs the agreement check (comm/agreement.py)."""
+        group = transport.agreement_group()
+        if group is None:
+            return False
+        agreement, forward = agreement_of(self), 2 * self.num_features + 1
+        return not (
+            agreement.is_verified(group, collective_key(self.num_features, dtype, forward))
+            and agreement.is_verified(group, collective_key(self.num_features, dtype, forward - 1))
+        )
 
     def forward(self, input: Tensor) -> Tensor:
         """Normalize ``input`` (N, C, *) with local, process-group or replica-wide statistics.
@@ -237,8 +274,9 @@ class SyncBatchNorm(_BatchNorm):
             ValueError: wrong input rank, ``C != num_features``, a global count of 1 value per channel in
                 training, or a ``process_group`` this rank is not a member of.
             TypeError: a non-floating input.
-            LayerMismatchError: members of the group are at layers with different num_features or dtype
-                (or, in debug mode, at different layers or calls).
+            LayerMismatchError: at the layer's first forward or backward on the group (every call in debug mode),
+                on every member, if the members are at different layers or collectives, or a peer's input is bad
+                (this rank's own bad input raises its ValueError or TypeError); see syncbn_dist.comm.agreement.
             ReplicaSyncError: a DataParallel peer replica failed or did not arrive in ``replica_timeout``.
         """
         if self._replica_exchange is not None:
@@ -263,9 +301,15 @@ class SyncBatchNorm(_BatchNorm):
             raise
 
     def _forward(self, input: Tensor) -> Tensor:
-        self._check_input(input)
         compiling = is_compiling()
-        transport = self._select_transport(compiling)
+        transport = self._select_transport(input, compiling)
+        error = self._input_error(input)
+        if error is not None:
+            try:
+                self._share_input_error(transport, input, error, compiling)
+            except LayerMismatchError as mismatch:  # the peers raise it; this rank, its own error
+                raise error from mismatch
+            raise error
         self._transport_record[0] = "local" if transport is None else transport.name
         if transport is None and not (self.training and self.track_running_stats and self.running_mean is not None):
             # No buffer update, so a checkpoint recomputation needs no special care; skipping the check keeps
@@ -281,6 +325,16 @@ class SyncBatchNorm(_BatchNorm):
             return self._eager_sync_forward(input, transport)
         return self._sync_forward(input, transport, compiling)
 
+    def _share_input_error(
+        self, transport: Optional[Transport], input: Tensor, error: Exception, compiling: bool
+    ) -> None:
+        """Before raising ``error`` here: where this collective would have been checked, the peers check with this
+        rank's error instead, so every member raises (LayerMismatchError, on the members whose input is good)."""
+        group = None if transport is None or compiling else transport.agreement_group()
+        if group is not None and self._agreement_pending(transport, input.dtype):
+            key = collective_key(self.num_features, input.dtype, 2 * self.num_features + 1)
+            agreement_of(self).verify(group, key, self._describe(), error=str(error))
+
     def _eps_mode(self) -> str:
         return _EPS_MODE if self.eps_mode is None else _resolve_eps_mode(self.eps_mode)
 
@@ -290,12 +344,16 @@ class SyncBatchNorm(_BatchNorm):
         Under compilation the agreement check runs once, while the graph is traced (every member traces its first
         call at the same layer, so all of them take part); see :func:`syncbn_dist.comm.agreement`.
         """
-        key = f"num_features={self.num_features} dtype={input.dtype}"
-        if compiling:
-            if transport is not _SOLO:  # a group of one ("clip" with no peers) has nobody to agree with
-                verify_agreement_while_tracing(transport.process_group, key, self._describe(), id(self))
-        else:
-            transport.verify_agreement(key, self._describe(), self._verified_groups)
+        if compiling and transport is not _SOLO:  # a group of one ("clip" with no peers) has nobody to agree with
+            forward = 2 * self.num_features + 1
+            verify_while_tracing(
+                transport.process_group,  # (None for the world: Dynamo hands the real world group over as fake)
+                collective_key(self.num_features, input.dtype, forward),
+                collective_key(self.num_features, input.dtype, forward - 1),
+                self._describe(),
+                self._agreement_owner(),
+            )
+        # (Eager: a CheckedTransport checks before each collective, until both directions are verified.)
         # DataParallel slaves leave the buffers to the master, whose buffers are the original module's.
         owns_buffers = not isinstance(self._replica_exchange, SlavePipe)
         track = self.track_running_stats and self.running_mean is not None and owns_buffers
@@ -303,8 +361,10 @@ class SyncBatchNorm(_BatchNorm):
         if track:
             self.num_batches_tracked.add_(1)
             momentum = self._momentum_factor(compiling)
-            if isinstance(transport, (JoinTransport, DataParallelTransport)) and self._join_binding is not None:
-                self._join_binding.transport.expect_tracked_forward()  # joined ranks update their buffers too
+        binding = self._join_binding
+        if owns_buffers and binding is not None and binding.active and transport is not _SOLO:
+            # Set at every call: the joined ranks update their buffers from this call's total only if this one does.
+            binding.transport.expect_tracked_forward(track)
         if self._replica_exchange is not None:
             transport = RecordingTransport(transport, self._replay_records)
         return _sync_batch_norm(
@@ -366,6 +426,10 @@ class SyncBatchNorm(_BatchNorm):
     def _describe(self) -> str:
         name = self.__dict__.get("_qualified_name") or "<unnamed>"
         return f"layer '{name}' ({type(self).__name__})"
+
+    def _agreement_owner(self) -> nn.Module:
+        """The module whose ``__dict__`` holds this layer's agreement (comm.agreement.agreement_of)."""
+        return self
 
     def _describe_replica(self) -> str:
         exchange = self._replica_exchange

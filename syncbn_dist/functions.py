@@ -84,8 +84,9 @@ class Transport(Protocol):
 
     def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]: ...
 
-    def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None: ...
-
+    def agreement_group(self) -> Any:
+        """The process group whose members check, before a collective, that they are at the same one; None when
+        nobody is to be checked (:mod:`syncbn_dist.comm.agreement`)."""
 
 
 
@@ -111,6 +112,7 @@ class _SyncBatchNormFunction(Function):
         compiling = is_compiling()
         group_name = _compiled_group_name(input, transport, compiling)
         if group_name is not _NATIVE:  # payload, all_reduce and normalize: one compiled region, or the user's graph
+            transport.check(2 * input.size(1) + 1)
             output, mean, unbiased_var, var, count = kernels.layer_forward(
                 input, weight, bias, eps, eps_mode == "clip", group_name
             )
@@ -146,6 +148,7 @@ class _SyncBatchNormFunction(Function):
         needs = ctx.needs_input_grad
         group_name = _compiled_group_name(input, ctx.transport, is_compiling())
         if group_name is not _NATIVE:  # reductions, all_reduce and grad_input in one compiled region
+            ctx.transport.check(2 * input.size(1))
             grad_input, sum_dy_xhat, sum_dy = kernels.layer_backward(
                 grad_output, input, weight, mean, var, count, ctx.eps, ctx.eps_mode == "clip", group_name, needs[0]
             )

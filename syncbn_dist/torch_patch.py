@@ -97,15 +97,18 @@ class _TorchLayerView(SyncBatchNorm):
         name = self.__dict__.get("_qualified_name") or "<unnamed>"
         return f"layer '{name}' ({type(self._layer).__name__})"
 
+    def _agreement_owner(self) -> nn.Module:
+        return self._layer
+
 
 def _view(layer: nn.SyncBatchNorm) -> _TorchLayerView:
     """A :class:`_TorchLayerView` sharing ``layer.__dict__``, after adding syncbn_dist's per-layer state to it."""
     state = layer.__dict__
     if "_transport_record" not in state:
-        # A one-element list and a set, shared by DataParallel replicas (shallow copies of __dict__), as
-        # SyncBatchNorm.__init__ creates them.
+        # A one-element list, shared by DataParallel replicas (shallow copies of __dict__), as SyncBatchNorm.__init__
+        # creates it. The agreement record is made eagerly when first needed (comm.agreement.agreement_of): this may
+        # run in code torch.compile traces.
         state["_transport_record"] = [None]
-        state["_verified_groups"] = set()
     view = object.__new__(_TorchLayerView)
     object.__setattr__(view, "__dict__", state)
     object.__setattr__(view, "_layer", layer)
@@ -126,7 +129,7 @@ def _forward(self: nn.SyncBatchNorm, input: Tensor) -> Tensor:
         ValueError: input of fewer than 2 dimensions, 0 channels, ``C != num_features``, a global count of 1 value
             per channel in training, or a ``process_group`` this rank is not a member of.
         TypeError: a non-floating input.
-        LayerMismatchError: members of the group are at layers with different num_features or dtype.
+        LayerMismatchError: members of the group are at different layers or collectives (see SyncBatchNorm.forward).
         ReplicaSyncError: a DataParallel peer replica failed or did not arrive in time.
     """
     return _view(self).forward(input)

@@ -80,15 +80,15 @@ def checkpoint_with(use_reentrant: bool) -> Callable[..., Tensor]:
 
 
 class _Sequential(nn.Module):
-    """``checkpoint_sequential`` over ``linear, bn, relu, linear, bn (the same), relu, linear`` in 2 segments, so that
-    the shared layer runs once in each segment."""
+    """``checkpoint_sequential`` over ``linear, bn, relu, linear, bn (the same), relu, linear, relu`` in 4 segments of 2
+    (the last runs without checkpointing), so that the shared layer runs in the first and the third segment."""
 
     def __init__(self, use_reentrant: bool, checkpointed: bool = True) -> None:
         super().__init__()
         bn = nn.BatchNorm1d(FEATURES)
         self.layers = nn.Sequential(
             nn.Linear(3, FEATURES), bn, nn.ReLU(), nn.Linear(FEATURES, FEATURES), bn, nn.ReLU(),
-            nn.Linear(FEATURES, FEATURES),
+            nn.Linear(FEATURES, FEATURES), nn.ReLU(),
         )
         self.use_reentrant = use_reentrant
         self.checkpointed = checkpointed
@@ -97,7 +97,7 @@ class _Sequential(nn.Module):
         if not self.checkpointed:
             return self.layers(x)
         # As a list: a Sequential's children() would list the shared layer once.
-        return checkpoint_sequential(list(self.layers), 2, x, use_reentrant=self.use_reentrant)
+        return checkpoint_sequential(list(self.layers), 4, x, use_reentrant=self.use_reentrant)
 
 
 def _model(pattern: str, use_reentrant: bool) -> tuple[nn.Module, nn.Module]:

@@ -289,6 +289,96 @@ def test_safety_features_under_compile() -> None:
         assert r["debug_breaks"] >= 3, f"rank {rank}: debug mode should run each synchronized layer eagerly"
 
 
+# Ranks that mix compiled and eager. Rank 0's batch sizes change every step, rank 1's do not: with dynamic=False and a
+# recompile limit of 1, rank 0's Dynamo runs its later steps eagerly while rank 1 replays its compiled graph.
+MIXED_STEPS = [[3, 3], [2, 3], [4, 3]]
+
+
+def _global_batch(step: int, world_size: int) -> tuple[Tensor, Tensor]:
+    """Every rank's batch of ``step`` of MIXED_STEPS (each rank can make all of them), concatenated, in float64."""
+    parts = [_batch(rank, step, MIXED_STEPS[step][:world_size], False) for rank in range(world_size)]
+    return torch.cat([x for x, _ in parts]).double(), torch.cat([dy for _, dy in parts]).double()
+
+
+def _counting(backend: str, calls: list[int]) -> Any:
+    """``backend``, counting the calls of the graphs it compiles (how many steps ran compiled)."""
+
+    def compile_graph(graph: torch.fx.GraphModule, example_inputs: Sequence[Tensor]) -> Any:
+        compiled = torch._dynamo.lookup_backend(backend)(graph, example_inputs)
+
+        def call(*args: Any) -> Any:
+            calls[0] += 1
+            return compiled(*args)
+
+        return call
+
+    return compile_graph
+
+
+def _worker_fallback_to_eager(rank: int, world_size: int, backend: str) -> int:
+    """Three training steps of the converted model compiled with a recompile limit of 1 (so rank 0 runs eagerly from
+    its second step on), against float64 nn.BatchNorm on the global batch: this rank's rows of the output and input
+    gradient, the parameter gradients summed over the ranks, and every buffer. Returns how many steps ran compiled."""
+    torch._dynamo.reset()
+    reference = syncbn_dist.revert_model(copy.deepcopy(_model())).double()
+    model = _model()
+    calls = [0]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        compiled = torch.compile(model, backend=_counting(backend, calls), dynamic=False)
+        for step in range(len(MIXED_STEPS)):
+            x, dy = _batch(rank, step, MIXED_STEPS[step][:world_size], False)
+            model.zero_grad(set_to_none=True)
+            y = compiled(x.requires_grad_())
+            y.backward(dy)
+            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+            torch.distributed.all_reduce(grads)  # parameter gradients stay local (DDP would average them)
+            x_all, dy_all = _global_batch(step, world_size)
+            reference.zero_grad(set_to_none=True)
+            y_all = reference(x_all.requires_grad_())
+            y_all.backward(dy_all)
+            start = sum(MIXED_STEPS[step][:rank])
+            rows = slice(start, start + x.size(0))
+            # float32 layers against float64: float32 rounding of O(1) values through three layers and three steps.
+            close = {"rtol": 1e-4, "atol": 1e-4}
+            torch.testing.assert_close(y.detach().double(), y_all[rows].detach(), **close)
+            torch.testing.assert_close(x.grad.double(), x_all.grad[rows], **close)
+            expected_grads = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+            torch.testing.assert_close(grads, expected_grads, **close)
+            for (name, buffer), expected in zip(model.named_buffers(), reference.buffers()):
+                torch.testing.assert_close(buffer.double(), expected.double(), **close, msg=f"step {step}: {name}")
+    return calls[0]
+
+
+def _worker_one_rank_compiled(rank: int, world_size: int, backend: str) -> list[tuple[str, str]]:
+    """Rank 0 compiles the model, rank 1 runs it eagerly: the error chain each rank raises."""
+    torch._dynamo.reset()
+    model = _model()
+    forward = torch.compile(model, backend=backend) if rank == 0 else model
+    x, dy = _batch(rank, 0, MIXED_STEPS[0], False)
+    with pytest.raises(Exception) as raised:  # noqa: PT011 - the chain is returned and inspected
+        forward(x.requires_grad_()).backward(dy)
+    torch.distributed.barrier()  # nobody is left inside a collective
+    return [(type(e).__name__, str(e)) for e in _error_chain(raised.value)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_rank_compiled_beside_an_eager_rank_raises_on_every_rank(backend: str) -> None:
+    """Compiling on one rank only: every rank raises LayerMismatchError at the first layer, saying why."""
+    for rank, chain in enumerate(run_distributed(_worker_one_rank_compiled, 2, backend, timeout=120,
+                                                 collective_timeout=30)):
+        assert any(name == "LayerMismatchError" for name, _ in chain), f"rank {rank}: {chain}"
+        assert any("compile the model on every rank or on none" in text for _, text in chain), f"rank {rank}: {chain}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_rank_that_falls_back_to_eager_after_the_recompile_limit_trains_exactly(backend: str) -> None:
+    """Rank 0 hits Dynamo's recompile limit and runs eagerly beside rank 1's compiled graph: still exact."""
+    compiled_steps = run_distributed(_worker_fallback_to_eager, 2, backend, timeout=240, collective_timeout=60)
+    assert compiled_steps == [1, 3], compiled_steps  # rank 0 ran its last two steps eagerly, rank 1 all compiled
+
+
 _JOB = textwrap.dedent(
     """
     import gc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 from pathlib import Path
@@ -55,8 +56,8 @@ def _agreement_is_checked_once_when_debug_is_off(rank: int, world_size: int) -> 
     with OpCounter() as later:
         for _ in range(3):
             layer(x).sum().backward()
-    # First forward: one small all_gather (the agreement check) + one all_reduce; backward: one all_reduce.
-    assert first.collectives == Counter({"c10d.allgather_": 1, "c10d.allreduce_": 2}), first.collectives
+    # First forward and first backward: each one small all_gather (the agreement check) + one all_reduce.
+    assert first.collectives == Counter({"c10d.allgather_": 2, "c10d.allreduce_": 2}), first.collectives
     # Afterwards exactly one collective per direction and nothing else.
     assert later.collectives == Counter({"c10d.allreduce_": 6}), later.collectives
 
@@ -96,6 +97,94 @@ def _debug_mode_catches_a_skipped_layer(rank: int, world_size: int) -> None:
     message = _error_or_none(lambda: model(x) if rank == 0 else model[1](x))
     assert message is not None
     assert "at layer '0'" in message and "at layer '1'" in message
+
+
+def _two_layers() -> nn.ModuleDict:
+    return syncbn_dist.convert_model(nn.ModuleDict({"a": nn.BatchNorm1d(4), "b": nn.BatchNorm1d(4)}))
+
+
+def _step(layers: nn.ModuleDict, names: str, x: torch.Tensor) -> None:
+    """Forward through the layers ``names`` (in that order), then backward."""
+    y = x
+    for name in names:
+        y = layers[name](y)
+    y.square().sum().backward()
+
+
+def _a_rank_runs_an_extra_layer(rank: int, world_size: int, debug: bool, warm_up: bool) -> str:
+    """Rank 0 runs ``b(a(x))``, rank 1 runs ``a(x)``, forward and backward; without a warm-up step it is the first time
+    either rank runs a layer (default mode checks it), with one it is a later step (only debug mode checks it)."""
+    syncbn_dist.set_debug(debug)
+    layers = _two_layers()
+    x = torch.randn(6, 4, requires_grad=True)
+    if warm_up:
+        _step(layers, "ab", x)
+    message = _error_or_none(lambda: _step(layers, "ab" if rank == 0 else "a", x))
+    assert message is not None, f"rank {rank}: ranks that run different layers must raise on every rank"
+    dist.barrier()  # nobody is left inside a collective
+    return message
+
+
+def _bad_input_on_one_rank(rank: int, world_size: int) -> tuple[str, str]:
+    """Rank 1's input has 5 channels where the layer has 4, at the layer's first call: rank 1 raises its own ValueError,
+    rank 0 a LayerMismatchError that says what rank 1's input was."""
+    syncbn_dist.set_debug(False)
+    layer = syncbn_dist.SynchronizedBatchNorm1d(4)
+    x = torch.randn(6, 4 if rank == 0 else 5)
+    with pytest.raises(ValueError) as raised:
+        layer(x)
+    dist.barrier()
+    return type(raised.value).__name__, str(raised.value)
+
+
+def _checks_per_step(layer: nn.Module, x: torch.Tensor) -> int:
+    """The agreement gathers of one forward and backward of ``layer``."""
+    with OpCounter() as counter:
+        layer(x).sum().backward()
+    return counter.collectives["c10d.allgather_"]
+
+
+def _agreement_follows_groups_and_copies(rank: int, world_size: int) -> list[int]:
+    """What keys a layer's agreement record: a new process group is checked anew (a destroyed group's record goes with
+    it, even if the new group reuses its address), and so is a copy of the layer; the layer itself is checked once."""
+    syncbn_dist.set_debug(False)
+    x = torch.randn(4, 3, requires_grad=True)
+    group = dist.new_group([0, 1])
+    layer = syncbn_dist.SynchronizedBatchNorm1d(3, process_group=group)
+    counts = [_checks_per_step(layer, x), _checks_per_step(layer, x)]
+    dist.destroy_process_group(group)
+    layer.process_group = dist.new_group([0, 1])
+    counts.append(_checks_per_step(layer, x))
+    on_world = syncbn_dist.SynchronizedBatchNorm1d(3)  # (a process group does not deep-copy)
+    counts += [_checks_per_step(on_world, x), _checks_per_step(copy.deepcopy(on_world), x)]
+    counts.append(_checks_per_step(on_world, x))
+    return counts
+
+
+@pytest.mark.distributed
+def test_the_agreement_record_is_kept_per_layer_and_process_group() -> None:
+    # First step: forward and backward checked; then nothing; a new group: checked. On the world group: checked, a
+    # copy of the layer: checked, the layer again: not.
+    assert run_distributed(_agreement_follows_groups_and_copies, 2) == [[2, 0, 2, 2, 2, 0]] * 2
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("debug, warm_up", [(False, False), (True, False), (True, True)])
+def test_a_rank_that_runs_other_layers_raises_on_every_rank(debug: bool, warm_up: bool) -> None:
+    # Rank 0's forward of 'b' meets rank 1's backward of 'a': both are checked (first calls, or debug mode).
+    messages = run_distributed(_a_rank_runs_an_extra_layer, 2, debug, warm_up, timeout=60, collective_timeout=20)
+    for message in messages:
+        assert "rank 0: " in message and "layer 'b'" in message and "forward" in message, message
+        assert "rank 1: " in message and "layer 'a'" in message and "backward" in message, message
+
+
+@pytest.mark.distributed
+def test_a_bad_input_on_one_rank_raises_on_every_rank() -> None:
+    (kind_0, message_0), (kind_1, message_1) = run_distributed(_bad_input_on_one_rank, 2, timeout=60,
+                                                               collective_timeout=20)
+    assert kind_1 == "ValueError" and "expected input with 4 channels in dim 1" in message_1, message_1
+    assert kind_0 == "LayerMismatchError", kind_0
+    assert "rank 1: layer '<unnamed>' (SynchronizedBatchNorm1d): bad input: expected input with 4 channels" in message_0
 
 
 @pytest.mark.distributed

@@ -77,7 +77,7 @@ def _state(rank: int, world_size: int) -> dict[str, Any]:
         "kernels": syncbn_dist.get_kernels(),
         "graphs": [kernel.graphs() for kernel in kernels.COMPILED_KERNELS],
         "debug": syncbn_dist.is_debug_enabled(),
-        "debug_calls": dict(agreement._DEBUG_CALLS),
+        "debug_calls": len(agreement._DEBUG_CALLS),
         "eps_mode": syncbn_dist.batchnorm._EPS_MODE,
         "patched": syncbn_dist.is_torch_sync_batchnorm_patched(),
         "dtype": str(torch.get_default_dtype()),

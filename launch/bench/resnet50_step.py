@@ -174,7 +174,7 @@ class _ForcedSync:
     process_group: Optional[Any]
     training: bool
 
-    def _select_transport(self, compiling: bool) -> Optional[DistributedTransport]:
+    def _select_transport(self, input: Tensor, compiling: bool) -> Optional[DistributedTransport]:
         return DistributedTransport(self.process_group) if self.training else None
 
 

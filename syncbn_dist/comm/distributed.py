@@ -1,7 +1,7 @@
 """The torch.distributed transport: one coalesced, differentiable ``all_reduce`` per call, and group helpers.
 
 The only module of the package that calls collectives on a process group (the agreement check in
-:mod:`syncbn_dist.comm.agreement` gathers its records through it too).
+:mod:`syncbn_dist.comm.agreement` gathers its records through :func:`all_gather_bytes`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Function
 
-from .agreement import verify_group_agreement
-
 __all__ = [
     "DistributedTransport",
+    "all_gather_bytes",
     "all_reduce_mean_",
     "all_reduce_sum",
     "broadcast_from_first_",
@@ -142,20 +141,13 @@ class DistributedTransport:
         group.allreduce([tensor]).wait()
         return tensor
 
-    def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None:
-        """Raise :class:`LayerMismatchError` on every member unless all members present the same ``key``.
+    def agreement_group(self) -> Any:
+        """The group whose members check that they agree before a collective (:mod:`syncbn_dist.comm.agreement`)."""
+        return dist.group.WORLD if self.process_group is None else self.process_group
 
-        Without debug mode the check runs once per (process group, caller): ``verified`` remembers the
-        groups already checked, so the steady state costs nothing. In debug mode it runs at every call,
-        prefixed with this group's call number, so a member that skipped or reordered a layer is caught
-        at the next call. Every member compares the same gathered records, so all reach the same verdict.
-
-        Args:
-            key: what must agree (e.g. num_features and dtype), short text.
-            description: names the caller in the error (e.g. the layer's qualified name).
-            verified: the caller's record of groups already checked.
-        """
-        verify_group_agreement(self.process_group, key, description, verified)
+    def check(self, numel: int) -> None:
+        """Called before a collective of ``numel`` values that runs inside a compiled region: nothing to do here (a
+        :class:`~syncbn_dist.comm.agreement.CheckedTransport` checks the members' agreement)."""
 
 
 def distributed_transport(process_group: Optional[Any]) -> Optional[DistributedTransport]:
@@ -278,6 +270,42 @@ def new_sync_groups(group_size: int) -> Any:
         )
     group, _ = dist.new_subgroups(group_size)
     return group
+
+
+def all_gather_bytes(data: bytes, group: Optional[Any] = None, size: Optional[int] = None) -> list[bytes]:
+    """Every member's ``data``, by group rank, as uint8 tensors through ``all_gather`` (no pickling, no numpy).
+
+    ``torch.distributed.all_gather_object`` turns its tensors back into bytes with numpy, which torch's CPU wheel does
+    not bring. Here the bytes travel as uint8 tensors on the backend's device (the current CUDA device for nccl).
+
+    Args:
+        data: this member's bytes.
+        group: the process group; None means the world group.
+        size: a fixed length: each member's bytes cut or zero-padded to it, one collective (trailing zero bytes are
+            dropped from what comes back). None: any length, two collectives (the lengths, then the padded bytes).
+
+    Returns:
+        One ``bytes`` per member of ``group``, in group rank order.
+    """
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    world_size = dist.get_world_size(group)
+    lengths: Optional[list[int]] = None
+    if size is None:
+        mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        gathered_lengths = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(gathered_lengths, mine, group=group)
+        lengths = [int(length.item()) for length in gathered_lengths]
+        size = max(lengths)
+    data = data[:size]
+    padded = torch.zeros(size, dtype=torch.uint8)
+    padded[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    gathered = [torch.empty_like(padded, device=device) for _ in range(world_size)]
+    dist.all_gather(gathered, padded.to(device), group=group)
+    found = [bytes(t.cpu().tolist()) for t in gathered]
+    if lengths is None:
+        return [item.rstrip(b"\0") for item in found]
+    return [item[:length] for item, length in zip(found, lengths)]
 
 
 def all_reduce_mean_(tensor: Tensor, process_group: Optional[Any] = None) -> Tensor:

@@ -208,9 +208,10 @@ class JoinTransport:
         self.process_group = session.process_group
         self._tracked_forward = False
 
-    def expect_tracked_forward(self) -> None:
-        """The layer's next collective is the forward payload of a call that updates its running statistics."""
-        self._tracked_forward = True
+    def expect_tracked_forward(self, tracked: bool) -> None:
+        """Whether the layer's next collective, its forward payload, is of a call that updates its running statistics
+        (set by every training forward of the layer, so that no earlier call's answer outlives it)."""
+        self._tracked_forward = tracked
 
     def sum_(self, tensor: Tensor) -> Tensor:
         """:meth:`DistributedTransport.sum_` on the session's group, announced to the joined ranks."""
@@ -222,10 +223,10 @@ class JoinTransport:
         """:meth:`DistributedTransport.all_reduce` (differentiable, one collective), announced in both directions."""
         return self.session.transport.all_reduce(tensors, reducer=self)
 
-    def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None:
-        """The group's agreement check while every rank is active; the controls check each collective otherwise."""
-        if not self.session.peers_joined:
-            self.session.transport.verify_agreement(key, description, verified)
+    def agreement_group(self) -> Any:
+        """The session's group while every rank is active; None once a peer has joined (the controls then check
+        each collective, and a joined rank cannot take part in a gather)."""
+        return None if self.session.peers_joined else self.session.process_group
 
 
 class JoinBinding:

@@ -301,10 +301,11 @@ class DataParallelTransport:
             return self.exchange.run_master((list(tensors), self.inner))
         return self.exchange.run_slave((list(tensors), None))
 
-    def verify_agreement(self, key: str, description: str, verified: set[Any]) -> None:
+    def agreement_group(self) -> Any:
         """Replicas of one module always agree; the master checks the process group, if any."""
         if self.inner is not None and isinstance(self.exchange, SyncMaster):
-            self.inner.verify_agreement(key, description, verified)
+            return self.inner.agreement_group()
+        return None
 
 
 def sum_replica_messages(intermediates: list[tuple[int, Any]]) -> list[tuple[int, list[Tensor]]]:
