@@ -36,6 +36,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinCon
 from torch.nn.parallel import DistributedDataParallel
 
 from .batchnorm import SyncBatchNorm
+from .comm.distributed import all_gather_bytes
 from .comm.join import JoinBinding, JoinSession, JoinTransport
 from .functions import _update_running_stats
 from .statistics import global_statistics
@@ -207,12 +208,13 @@ def _session_groups(groups: list[Any], device: torch.device) -> dict[tuple[int, 
     Each copy has the collective timeout of the group it copies (``new_group``'s default is 30 minutes).
     """
     timeouts = {tuple(dist.get_process_group_ranks(g)): _timeout(g, device) for g in groups}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(timeouts.items()))
+    mine = ";".join(f"{','.join(map(str, ranks))}:{_seconds(timeout)}" for ranks, timeout in sorted(timeouts.items()))
     wanted: dict[tuple[int, ...], Optional[timedelta]] = {}
-    for rank_groups in everyone:
-        for ranks, timeout in rank_groups:
-            wanted.setdefault(tuple(ranks), timeout)
+    for rank_groups in all_gather_bytes(mine.encode()):  # (all_gather_object would need numpy)
+        for entry in filter(None, rank_groups.decode().split(";")):
+            ranks, seconds = entry.split(":")
+            timeout = None if seconds == "" else timedelta(seconds=float(seconds))
+            wanted.setdefault(tuple(map(int, ranks.split(","))), timeout)
     if _SESSION_GROUPS_WORLD[0] is not dist.group.WORLD:
         _SESSION_GROUPS.clear()
         _SESSION_GROUPS_WORLD[0] = dist.group.WORLD
@@ -220,6 +222,10 @@ def _session_groups(groups: list[Any], device: torch.device) -> dict[tuple[int, 
         if ranks not in _SESSION_GROUPS:
             _SESSION_GROUPS[ranks] = dist.new_group(list(ranks), timeout=wanted[ranks])
     return _SESSION_GROUPS
+
+
+def _seconds(timeout: Optional[timedelta]) -> str:
+    return "" if timeout is None else repr(timeout.total_seconds())
 
 
 def _timeout(group: Any, device: torch.device) -> Optional[timedelta]:

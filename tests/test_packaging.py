@@ -107,6 +107,8 @@ def test_wheel_installed_outside_the_tree_imports_and_synchronizes(tmp_path: Pat
     assert "2-rank gloo parity ok" in out
 
     # A new user's path: the README's runnable blocks, unchanged, with this venv's python and torchrun first on PATH
-    # (the quick start under torchrun on 2 processes, then DataParallel on CPU replicas), outside the tree.
+    # (the quick start under torchrun on 2 processes, the Join recipe, then DataParallel on CPU replicas), outside the
+    # tree.
     ran = run_blocks(readme_blocks(), tmp_path / "readme", venv / "bin", timeout=240)
     assert "2 processes, BatchNorm: distributed" in ran[0][1]
+    assert "rank 1: 4 steps under Join" in ran[1][1]  # Join with torch alone installed (no numpy)

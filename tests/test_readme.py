@@ -86,11 +86,13 @@ def test_the_block_checks_fail_on_what_they_must_catch(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_readme_runs_as_pasted(tmp_path: Path) -> None:
     """Every runnable block, in order, in a directory outside the tree, with this venv's python and torchrun: the
-    quick start on 2 CPU processes (gloo), then DataParallel on CPU thread replicas. The suite's environment sets
+    quick start on 2 CPU processes (gloo), the Join recipe on 2 (a different number of batches each), then
+    DataParallel on CPU thread replicas. The suite's environment sets
     SYNCBN_DIST_KERNELS=native (tests/conftest.py), the default kernels the quick start relies on."""
     ran = run_blocks(readme_blocks(), tmp_path, Path(sys.executable).parent)
-    assert [block.language for block, _ in ran] == ["bash", "python"]
+    assert [block.language for block, _ in ran] == ["bash", "bash", "python"]
     assert "torchrun" in ran[0][0].text and "2 processes, BatchNorm: distributed" in ran[0][1]
+    assert "join.py" in ran[1][0].text and "rank 1: 4 steps under Join" in ran[1][1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
