@@ -9,6 +9,8 @@ Variants (the keys used throughout the benchmark's JSON):
 - ``bn``: plain ``nn.BatchNorm2d``, unsynchronized, the lower bound (a);
 - ``syncbn_dist``: :func:`syncbn_dist.convert_model` on DDP's process group (b);
 - ``syncbn_dist_dedicated``: the same on a dedicated group created once and shared by every layer (b', P5);
+- ``syncbn_dist_debug``: ``syncbn_dist`` with debug mode on during its steps (b''): every collective checked, the
+  cost of catching a rank that runs other layers at any step;
 - ``floor``: plain ``nn.BatchNorm2d`` plus the collectives syncbn_dist sends, with dummy payloads (f): the
   in-step synchronization floor (:class:`FloorBatchNorm2d`);
 - ``naive``: :class:`NaiveSyncBatchNorm2d`, detectron2-style (c);
@@ -29,13 +31,16 @@ from torch.autograd import Function
 import syncbn_dist
 from launch.bench.resnet_blocks import BasicBlock, Bottleneck
 
-EAGER_VARIANTS = ("bn", "syncbn_dist", "syncbn_dist_dedicated", "floor", "naive", "torch_syncbn")
+EAGER_VARIANTS = ("bn", "syncbn_dist", "syncbn_dist_dedicated", "syncbn_dist_debug", "floor", "naive", "torch_syncbn")
+# Variants whose steps run in syncbn_dist's debug mode (launch.bench.step).
+DEBUG_VARIANTS = ("syncbn_dist_debug",)
 COMPILED_SUFFIX = "_compiled"
 VARIANTS = EAGER_VARIANTS + tuple(v + COMPILED_SUFFIX for v in ("bn", "syncbn_dist", "floor", "naive"))
 _EAGER_LABELS = {
     "bn": "(a) nn.BatchNorm2d",
     "syncbn_dist": "(b) syncbn_dist",
     "syncbn_dist_dedicated": "(b') syncbn_dist, dedicated group",
+    "syncbn_dist_debug": "(b'') syncbn_dist, debug mode",
     "floor": "(f) BN + same collectives",
     "naive": "(c) naive SyncBN",
     "torch_syncbn": "(d) torch.nn.SyncBatchNorm",
@@ -283,7 +288,7 @@ def build_variant(variant: str, base: nn.Module, dedicated_group: Optional[Any] 
     variant = eager_variant(variant)
     if variant == "bn":
         return model
-    if variant == "syncbn_dist":
+    if variant in ("syncbn_dist", "syncbn_dist_debug"):
         return syncbn_dist.convert_model(model)
     if variant == "syncbn_dist_dedicated":
         if dedicated_group is None:

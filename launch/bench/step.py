@@ -40,7 +40,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
-from launch.bench.models import COMPILED_SUFFIX, build_model, build_variant
+import syncbn_dist
+from launch.bench.models import COMPILED_SUFFIX, DEBUG_VARIANTS, build_model, build_variant
 from launch.common.counting import CollectiveCounter, OpCounter
 from syncbn_dist import kernels
 
@@ -52,7 +53,14 @@ class _Runner:
     """One variant's DDP model, optimizer and fixed batch; :meth:`step` is one training step."""
 
     def __init__(
-        self, model: nn.Module, device: torch.device, scenario: dict[str, Any], x: Any, y: Any, compiled: bool
+        self,
+        model: nn.Module,
+        device: torch.device,
+        scenario: dict[str, Any],
+        x: Any,
+        y: Any,
+        compiled: bool,
+        debug: bool = False,
     ) -> None:
         device_ids = [device.index] if device.type == "cuda" else None
         # Newer torch renames broadcast_buffers to forward_sync_buffers (and warns on the old name).
@@ -69,8 +77,17 @@ class _Runner:
         self.forward = torch.compile(self.model, backend=backend, dynamic=False) if compiled else self.model
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.x, self.y = x, y
+        self.debug = debug  # syncbn_dist's debug mode during this variant's steps
 
     def step(self, counter: Optional[CollectiveCounter] = None) -> None:
+        previous = syncbn_dist.is_debug_enabled()
+        syncbn_dist.set_debug(self.debug)
+        try:
+            self._step(counter)
+        finally:
+            syncbn_dist.set_debug(previous)
+
+    def _step(self, counter: Optional[CollectiveCounter]) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         if counter is not None:
             counter.phase = "forward"
@@ -238,7 +255,9 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
     # Created once, collectively, and shared by every layer of the dedicated-group variant (P5).
     dedicated = dist.new_group(list(range(world_size))) if "syncbn_dist_dedicated" in variants else None
     runners = {
-        v: _Runner(build_variant(v, base, dedicated), device, scenario, x, y, v.endswith(COMPILED_SUFFIX))
+        v: _Runner(
+            build_variant(v, base, dedicated), device, scenario, x, y, v.endswith(COMPILED_SUFFIX), v in DEBUG_VARIANTS
+        )
         for v in variants
     }
 

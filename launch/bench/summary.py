@@ -187,6 +187,11 @@ def _summarize_run(run: dict[str, Any], scenario: dict[str, Any]) -> dict[str, A
         result["overhead_over_in_step_floor"] = (
             result["overhead_ms"] / result["in_step_floor_ms"] if result["in_step_floor_ms"] > 0 else None
         )
+    if {"syncbn_dist", "syncbn_dist_debug"} <= set(medians):
+        # What checking every collective (debug mode) costs a step: the price of catching any later mismatch.
+        result["debug_over_default"] = medians["syncbn_dist_debug"] / medians["syncbn_dist"]
+        paired = _paired_difference(run["step_seconds"]["syncbn_dist"], run["step_seconds"]["syncbn_dist_debug"])
+        result["debug_minus_default_paired_ms"] = {key: 1e3 * value for key, value in paired.items()}
     if {"syncbn_dist", "syncbn_dist" + COMPILED_SUFFIX} <= set(medians):
         result["compiled_over_eager"] = medians["syncbn_dist" + COMPILED_SUFFIX] / medians["syncbn_dist"]
     return result
