@@ -24,9 +24,11 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import conv_bn_model
 import pytest
+import test_join
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -258,6 +260,59 @@ def test_reduce_overhead_runs_the_synchronized_model_in_cuda_graphs(
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_users_compiled_model_on_cuda_equals_its_eager_path_and_plain_batchnorm(
+    nccl_world_of_one: None, mode: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A converted ResNet (tests/resnet.py) compiled as a user compiles it, ``torch.compile(model, mode=mode)``, its
+    layers forced onto the one-member NCCL group, over six SGD steps on six different batches: the logits and losses of
+    every step, then the weights and running statistics, equal the same converted model run eagerly (the layer's own
+    eager path), which equals plain BatchNorm. The control: plain BatchNorm under the same ``torch.compile`` against
+    plain BatchNorm eager, so that an effect of CUDA graphs or inductor is told from the layer's.
+
+    Different batches at every step: a compiled step that normalized with another step's statistics (a collective
+    whose consumers do not wait for it) would pass with the same batch every time."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    plain = resnet(seed=7).to(device="cuda", dtype=dtype, memory_format=torch.channels_last)
+    models = {
+        "plain": plain,
+        "plain compiled": copy.deepcopy(plain),
+        "ours": force_sync(syncbn_dist.convert_model(copy.deepcopy(plain))),
+        "ours compiled": force_sync(syncbn_dist.convert_model(copy.deepcopy(plain))),
+    }
+    forwards = {
+        name: torch.compile(model, mode=mode) if name.endswith("compiled") else model for name, model in models.items()
+    }
+    optimizers = {name: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for name, m in models.items()}
+    # float64: inductor reorders float64 sums, a few ulps carried through six steps; float32: as in the test above.
+    tol = {"rtol": 1e-9, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    pairs = [("ours compiled", "ours"), ("ours", "plain"), ("plain compiled", "plain")]
+    try:
+        for step in range(6):
+            x, y = _resnet_batch(step)
+            x = x.to(dtype)
+            results = {}
+            for name, forward in forwards.items():
+                if name.endswith("compiled"):
+                    torch.compiler.cudagraph_mark_step_begin()
+                results[name] = _sgd_step(forward, optimizers[name], x, y)
+            for got, expected in pairs:
+                for what, a, b in zip(("logits", "loss"), results[got], results[expected]):
+                    assert_close(a.cpu(), b.cpu(), f"{mode} {dtype} step {step} {what}: {got} vs {expected}", **tol)
+        assert all(layer.last_transport == "distributed" for layer in _synchronized_layers(models["ours compiled"]))
+        for got, expected in pairs:
+            state, expected_state = models[got].state_dict(), models[expected].state_dict()
+            assert state.keys() == expected_state.keys()
+            for key, value in state.items():
+                what = f"{mode} {dtype} {got} vs {expected}: {key}"
+                assert_close(value.cpu(), expected_state[key].cpu(), what, **tol)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_cuda_graph_capture_of_a_ddp_step_replays_the_eager_step(
     nccl_world_of_one: None, kernel_mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -371,6 +426,37 @@ def _check_gloo_cuda_ddp(rank: int, world_size: int, how: str) -> int:
     return len(GLOO_CUDA_SPLITS)
 
 
+def _check_gloo_cuda_compiled_ddp(rank: int, world_size: int) -> int:
+    """``torch.compile`` of the DDP model (inductor, Triton) on the non-empty steps of :data:`GLOO_CUDA_SPLITS`
+    (inductor's convolution backward fails on an empty batch, with plain BatchNorm as well), against the reference as
+    :func:`_check_gloo_cuda_ddp` checks it. Returns the number of steps compared."""
+    model, reference = _gloo_cuda_model("convert_model")
+    compiled = torch.compile(DistributedDataParallel(model, device_ids=[0]))
+    splits = [split for split in GLOO_CUDA_SPLITS if 0 not in split]
+    for step, split in enumerate(splits):
+        x, weights = conv_bn_model.batch(sum(split))
+        x, weights = (x + 0.25 * step).float().double(), weights.float().double()
+        rows = slice(sum(split[:rank]), sum(split[: rank + 1]))
+        x_rank = x[rows].float().cuda().requires_grad_()
+        out = compiled(x_rank)
+        (out * weights[rows].float().cuda()).sum().mul(world_size).backward()
+        x_all = x.clone().requires_grad_()
+        expected = reference(x_all)
+        (expected * weights).sum().backward()
+        where = f"compiled DDP, step {step}, split {split}"
+        tol = {"rtol": 1e-4, "atol": 1e-5}  # as in _check_gloo_cuda_ddp
+        assert_close(out.detach().cpu(), expected[rows], f"{where}: output", **tol)
+        assert_close(x_rank.grad.cpu() / world_size, x_all.grad[rows], f"{where}: grad_input", **tol)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert_close(p.grad.cpu(), q.grad, f"{where}: grad {name}", rtol=1e-4, atol=1e-4)
+        for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+            assert_close(b.cpu(), c, f"{where}: {name}", **tol)
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    return len(splits)
+
+
 def _worker_gloo_cuda(rank: int, world_size: int) -> dict[str, int]:
     assert dist.get_backend() == "gloo"
     torch.cuda.set_device(0)  # both ranks on one GPU: what gloo allows and NCCL refuses
@@ -384,6 +470,8 @@ def _worker_gloo_cuda(rank: int, world_size: int) -> dict[str, int]:
         with syncbn_dist.patch_torch_sync_batchnorm():  # DDP too is built under the patch
             how = "patch_torch_sync_batchnorm"
             done[f"{mode}/{how}"] = _check_gloo_cuda_ddp(rank, world_size, how)
+    syncbn_dist.set_kernels("native")
+    done["compiled DDP"] = _check_gloo_cuda_compiled_ddp(rank, world_size)
     return done
 
 
@@ -402,7 +490,24 @@ def test_two_ranks_over_gloo_with_cuda_tensors_match_float64_batchnorm() -> None
         for mode in ("native", "compiled")
         for how in ("convert_model", "patch_sync_batchnorm", "patch_torch_sync_batchnorm")
     }
+    expected["compiled DDP"] = sum(0 not in split for split in GLOO_CUDA_SPLITS)
     assert results == [expected, expected]
+
+
+def _worker_join_cuda(rank: int, world_size: int, counts: list[int], setup: dict[str, Any]) -> dict[str, Any]:
+    torch.cuda.set_device(0)
+    torch.backends.cudnn.allow_tf32 = False
+    return test_join._train_uneven(rank, world_size, counts, {**setup, "device": "cuda"})
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("counts", [[3, 5], [2, 0]])
+def test_uneven_batch_counts_under_join_over_gloo_with_cuda_tensors(counts: list[int]) -> None:
+    """tests/test_join.py's uneven epoch under ``Join([ddp_model])`` on CUDA tensors (two gloo processes on GPU 0), a
+    rank with no batch included: every step equals float64 BatchNorm on the active ranks' union."""
+    setup = {"ddp": True, "ddp_alone": True}
+    results = run_distributed(_worker_join_cuda, 2, counts, setup, timeout=240, backend="gloo", fresh=True)
+    test_join._assert_matches_reference(results, 2, counts, setup)
 
 
 @pytest.mark.distributed

@@ -63,7 +63,7 @@ def _eval_input() -> Tensor:
 
 def _running_stats(model: nn.Module) -> list[Tensor]:
     return [
-        t.detach().clone().double()
+        t.detach().to("cpu", torch.float64, copy=True)
         for m in model.modules()
         if isinstance(m, nn.modules.batchnorm._BatchNorm)
         for t in (m.running_mean, m.running_var, m.num_batches_tracked)
@@ -71,9 +71,12 @@ def _running_stats(model: nn.Module) -> list[Tensor]:
 
 
 def _train_uneven(rank: int, world_size: int, counts: list[int], setup: dict[str, Any]) -> dict[str, Any]:
-    """One uneven epoch under Join; each step's records, then the model in eval mode on every rank."""
+    """One uneven epoch under Join; each step's records, then the model in eval mode on every rank. The model runs on
+    ``setup["device"]`` (default the CPU; tests/test_gpu.py runs it on CUDA tensors over gloo); records are on the
+    CPU."""
     torch.manual_seed(0)
-    model = convert_model(_net(setup.get("momentum", 0.1)))
+    device = torch.device(setup.get("device", "cpu"))
+    model = convert_model(_net(setup.get("momentum", 0.1))).to(device)
     if setup.get("cpu_replicas"):
         model = DataParallelWithCallback(model, cpu_replicas=setup["cpu_replicas"])
     wrapped = DistributedDataParallel(model) if setup["ddp"] else model
@@ -91,14 +94,14 @@ def _train_uneven(rank: int, world_size: int, counts: list[int], setup: dict[str
     assert any(isinstance(j, SyncBatchNormJoinable) for j in join._joinables)
     with join:
         for x, w in _batches(rank, counts):
-            x = x.float().requires_grad_()
+            x = x.float().to(device).requires_grad_()
             out = wrapped(x)
-            (out * w.float()).sum().backward()
+            (out * w.float().to(device)).sum().backward()
             records.append(
                 {
-                    "out": out.detach().double(),
-                    "grad_input": x.grad.double(),
-                    "grads": [p.grad.double().clone() for p in model.parameters()],
+                    "out": out.detach().double().cpu(),
+                    "grad_input": x.grad.double().cpu(),
+                    "grads": [p.grad.to("cpu", torch.float64, copy=True) for p in model.parameters()],
                     "stats": _running_stats(model),
                 }
             )
@@ -107,7 +110,7 @@ def _train_uneven(rank: int, world_size: int, counts: list[int], setup: dict[str
             optimizer.zero_grad()
     wrapped.eval()
     with torch.no_grad():
-        evaluated = wrapped(_eval_input().float()).double()
+        evaluated = wrapped(_eval_input().float().to(device)).double().cpu()
     return {"records": records, "eval": evaluated, "stats": _running_stats(model)}
 
 

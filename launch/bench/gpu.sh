@@ -26,6 +26,10 @@ shift $(($# < 2 ? $# : 2))
 mkdir -p "$OUT_DIR"
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))' \
     || exit 1
+# The project into GPU_PY, as a user installs it (the README's runner drops PYTHONPATH, so the quick start's test needs
+# an installed syncbn_dist): editable, without dependencies or build isolation, which need a network.
+(cd / && env -u PYTHONPATH "$PY" -c 'import syncbn_dist' 2>/dev/null) \
+    || "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
 status=0
 STAGES=" ${GPU_STAGES:-tests micro step kernels other} "
 stage() { [[ "$STAGES" == *" $1 "* ]]; }
