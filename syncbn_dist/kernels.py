@@ -259,6 +259,20 @@ def _first_value_per_channel(x: Tensor) -> Tensor:
     return first
 
 
+def _stored(t: Tensor) -> Tensor:
+    """``t`` (a per-channel coefficient), which inductor then computes once per channel and stores.
+
+    Inductor inlines a pointwise producer into each consumer: a coefficient of C values that only a pass over the
+    activation reads would be computed again at every element, from the float64 totals (a division, a root and a dozen
+    float64 operations per element, where plain BatchNorm's compiled kernels take one root). ``as_strided`` needs its
+    input in memory (inductor lowers it by realizing it, on every device), so the identity ``as_strided`` makes the
+    coefficient a buffer of its own, computed in the loop over channels beside the layer's other per-channel work, and
+    the pass over the activation loads it. In eager mode it is a view of ``t``. Held by tests/test_compiled_graph.py
+    (C4: no float64, root or division per element in a pointwise loop).
+    """
+    return t.as_strided(t.size(), t.stride())
+
+
 def normalize(
     x: Tensor, total: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, clip: bool
 ) -> tuple[Tensor, ...]:
@@ -278,7 +292,7 @@ def normalize(
     invstd = torch.rsqrt(var + eps)
     scale = invstd if weight is None else invstd * weight.to(_F64)
     dtype, shape = _stat_dtype(x), _channel_shape(x)
-    mean_s, scale_s = mean.to(dtype), scale.to(dtype)
+    mean_s, scale_s = _stored(mean.to(dtype)), _stored(scale.to(dtype))
     y = (x.to(dtype) - mean_s.view(shape)) * scale_s.view(shape)
     if bias is not None:
         y = y + bias.to(dtype).view(shape)
@@ -322,7 +336,7 @@ def grad_input(
     if clip:
         mean_dy_xhat = torch.where(var == 0.0, 0.0, mean_dy_xhat)
     dtype, shape = _stat_dtype(x), _channel_shape(x)
-    a, b, c = scale.to(dtype), (-scale * invstd * mean_dy_xhat).to(dtype), (-scale * mean_dy).to(dtype)
+    a, b, c = (_stored(t.to(dtype)) for t in (scale, -scale * invstd * mean_dy_xhat, -scale * mean_dy))
     dx = dy.to(dtype) * a.view(shape) + (x.to(dtype) - mean.view(shape)) * b.view(shape) + c.view(shape)
     return dx.to(x.dtype), a, b, c
 
@@ -369,12 +383,13 @@ def backward_region(
     eps: float, clip: bool, group_name: Optional[str], need_input: bool, *, staged: bool = True,
 ) -> tuple[Optional[Tensor], ...]:
     """One layer's backward over a process group: local reductions, all_reduce, grad_input. Returns
-    ``(grad_input or None, sum(dy * x_hat), sum(dy), *coefficients)``: the parameter gradients are the local sums
-    (DistributedDataParallel averages them, as with ``torch.nn.SyncBatchNorm``), and :func:`grad_input`'s
-    per-channel coefficients are returned so that they are stored, not recomputed. ``staged``: see
-    :func:`_sum_per_channel`."""
+    ``(grad_input or None, sum(dy * x_hat), sum(dy), *coefficients)``: the parameter gradients are the local sums in
+    the statistics dtype (DistributedDataParallel averages them, as with ``torch.nn.SyncBatchNorm``), and
+    :func:`grad_input`'s per-channel coefficients are returned so that they are stored, not recomputed. ``staged``:
+    see :func:`_sum_per_channel`."""
     local = grad_reductions(dy, x, mean, var, ones, eps, staged=staged)
-    sum_dy, sum_dy_xhat = local.chunk(2)
+    # In the statistics dtype here, right after the reductions, so that the compiler converts them there too.
+    sum_dy, sum_dy_xhat = local.to(_stat_dtype(x)).chunk(2)
     # The collective runs whether or not grad_input is needed: every member sends the same collectives.
     total = all_reduce_sum(local, group_name)
     if not need_input:
@@ -456,7 +471,8 @@ def layer_backward(
 ) -> tuple[Optional[Tensor], Tensor, Tensor]:
     """The backward of :func:`layer_forward` in one compiled region; ``grad_output`` in the input's memory format.
 
-    Returns ``(grad_input or None, sum(dy * x_hat), sum(dy))``, the last two (C,) float64 local sums. Under a
+    Returns ``(grad_input or None, sum(dy * x_hat), sum(dy))``, the last two the (C,) local sums in the statistics
+    dtype (accumulated in float64). Under a
     user's ``torch.compile``, the region's source traced into the user's graph (see :func:`layer_forward`).
     """
     if is_compiling():

@@ -6,7 +6,8 @@ The counts that stand in for GPU timings on a machine without one (issue 34's C 
   layer traces, :func:`syncbn_dist.kernels.forward_region` and ``backward_region``, are traced here for CUDA inputs
   too, with fake tensors), and exactly one functional ``all_reduce`` per layer and direction.
 - C1: inductor's generated kernels for a compiled converted ResNet's training step, at most plain BatchNorm's plus 3
-  per layer, and its bytes at most 1.05 x plain BatchNorm's.
+  per layer, and its bytes at most 1.05 x plain BatchNorm's; C4: in that generated C++, no pointwise loop over the
+  activation computes in float64, divides or takes a root (the per-channel coefficients are stored once).
 - C3: a compiled step runs no Python frame of syncbn_dist or of ``torch.distributed``'s Python API: its collectives
   are C++ ops called from inductor's wrapper.
 - The collectives stay in step across ranks with functional collectives (pure ops to the compiler): two layers on
@@ -28,7 +29,7 @@ from step_record import step_record
 from torch import Tensor, nn
 
 import syncbn_dist
-from launch.bench.compiled_graph import inductor_counts
+from launch.bench.compiled_graph import InductorCounts, inductor_counts
 from launch.bench.models import ResNet50
 from launch.bench.resnet50_step import force_sync
 from launch.common.spawn import run_distributed
@@ -198,7 +199,7 @@ def _resnet50_head_blocks() -> nn.Module:
     return nn.Sequential(full.stem, full.blocks[:4]).to(memory_format=torch.channels_last)
 
 
-def _worker_inductor_counts(rank: int, world_size: int) -> dict[str, tuple[int, int]]:
+def _worker_inductor_counts(rank: int, world_size: int) -> dict[str, InductorCounts]:
     x = torch.randn(8, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     plain = _resnet50_head_blocks()
     ours = force_sync(syncbn_dist.convert_model(copy.deepcopy(plain)))
@@ -221,7 +222,16 @@ def test_compiled_bottlenecks_kernels_and_bytes_within_plain_batchnorms_budget()
     # are lowered and generated afresh, and counted, whatever the rank compiled before (the counts are the same in a
     # new process and on a second compilation in the same one).
     (counts,) = run_distributed(_worker_inductor_counts, 1, timeout=280)
-    (plain_kernels, plain_bytes), (our_kernels, our_bytes) = counts["plain"], counts["syncbn_dist"]
+    plain, ours = counts["plain"], counts["syncbn_dist"]
     layers = sum(isinstance(m, nn.BatchNorm2d) for m in _resnet50_head_blocks().modules())
-    assert our_kernels <= plain_kernels + 3 * layers, (our_kernels, plain_kernels, layers)
-    assert our_bytes <= 1.05 * plain_bytes, (our_bytes, plain_bytes)
+    assert ours.kernels <= plain.kernels + 3 * layers, (ours.kernels, plain.kernels, layers)
+    assert ours.bytes <= 1.05 * plain.bytes, (ours.bytes, plain.bytes)
+    # C4, what the generated C++ computes per activation element: the per-channel coefficients are stored once per
+    # channel, so no pointwise loop computes in float64, divides or takes a root (plain BatchNorm's take roots and
+    # divide: the counter sees them); the reductions accumulate float32 activations in float64 (the statistics'
+    # exactness), and neither divide nor take a root more than plain's.
+    for kind in ("double", "root", "division"):
+        assert ours.per_element["pointwise"][kind] == 0, (kind, ours.per_element)
+    assert plain.per_element["pointwise"]["root"] > 0 and plain.per_element["pointwise"]["division"] > 0, plain
+    for kind in ("root", "division"):
+        assert ours.per_element["reduction"][kind] <= plain.per_element["reduction"][kind], (kind, ours.per_element)

@@ -10,6 +10,8 @@ same model converted and its synchronization forced (:func:`launch.bench.resnet5
 
 - C1: inductor's generated kernels and bytes accessed (``torch._inductor.metrics``) for one training step compiled
   fresh, and the compile time; kernels per BatchNorm layer over plain's, bytes as a ratio;
+- C4: what that generated C++ computes per activation element (:mod:`launch.bench.generated_code`): statements in
+  float64, roots and divisions, in pointwise loops and in reductions;
 - C3: Python function calls (cProfile) in a steady-state compiled step, those of ``torch.distributed``'s and
   syncbn_dist's Python among them, against the step's collectives; in eager mode, the host time of one collective
   of a layer's payload (the transport's ``sum_``, against ``torch.distributed.all_reduce``) and of one synchronized
@@ -28,13 +30,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from collections import Counter
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 import syncbn_dist
+from launch.bench.generated_code import per_element_statements
 from launch.bench.kernel_profile import one_member_group
 from launch.bench.models import ResNet50
 from launch.bench.resnet50_step import force_sync
@@ -51,18 +55,35 @@ class CompiledGraphConfig:
     output: Optional[str] = None  # a markdown report to write, or None
 
 
-def inductor_counts(model: nn.Module, x: Tensor) -> tuple[int, int]:
-    """Inductor's generated kernels and bytes accessed (``torch._inductor.metrics``) for one compiled training step
-    of ``model`` on ``x`` (forward and ``.sum().backward()``), compiled fresh: no FX graph or AOT autograd cache."""
-    from torch._inductor import config, metrics
+class InductorCounts(NamedTuple):
+    """What inductor generated for one compiled training step: kernels, bytes accessed (its own count), and the
+    statements of its loops over activation elements by kind (:func:`launch.bench.generated_code.per_element_statements`:
+    ``{"pointwise": Counter, "reduction": Counter}``)."""
 
+    kernels: int
+    bytes: int
+    per_element: dict[str, Counter[str]]
+
+
+def inductor_counts(model: nn.Module, x: Tensor) -> InductorCounts:
+    """:class:`InductorCounts` for one compiled training step of ``model`` on ``x`` (forward and ``.sum().backward()``),
+    compiled fresh: no FX graph or AOT autograd cache. Loops over more than 4 x the model's largest BatchNorm channel
+    count are over activation elements (``x``'s batch is at least 8)."""
+    from torch._inductor import config, metrics
+    from torch._inductor.utils import run_and_get_code
+
+    channels = max(m.num_features for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
     torch._dynamo.reset()
     torch._logging.set_logs(inductor_metrics=True)  # inductor counts bytes only while this log is on
     try:
         with config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
             metrics.reset()
-            torch.compile(model)(x).sum().backward()
-            return metrics.generated_kernel_count, metrics.num_bytes_accessed
+            _, sources = run_and_get_code(lambda: torch.compile(model)(x).sum().backward())
+            return InductorCounts(
+                metrics.generated_kernel_count,
+                metrics.num_bytes_accessed,
+                per_element_statements(sources, min_elements=4 * channels),
+            )
     finally:
         torch._logging.set_logs()
 
@@ -106,8 +127,13 @@ def measure(cfg: CompiledGraphConfig) -> dict[str, Any]:
     result: dict[str, Any] = {"layers": _layers(plain)}
     for name, model in (("plain", plain), ("syncbn_dist", ours)):
         start = time.perf_counter()
-        kernels, accessed = inductor_counts(model, x)
-        result[name] = {"kernels": kernels, "bytes": accessed, "compile_s": time.perf_counter() - start}
+        counts = inductor_counts(model, x)
+        result[name] = {
+            "kernels": counts.kernels,
+            "bytes": counts.bytes,
+            "compile_s": time.perf_counter() - start,
+            "per_element": {kind: dict(counter) for kind, counter in counts.per_element.items()},
+        }
     for name, model in (("plain", plain), ("syncbn_dist", ours)):
         compiled = torch.compile(model)
         for _ in range(2):
@@ -172,6 +198,10 @@ def render(result: dict[str, Any], cfg: CompiledGraphConfig) -> str:
         f"| of them in torch.distributed's or syncbn_dist's Python (C3) | {plain['python_calls_dist']} | "
         f"{ours['python_calls_dist']} | against {result['collectives_per_step']} collectives a step |",
         "",
+        "| per activation element, generated C++ (C4) | plain nn.BatchNorm2d | syncbn_dist | |",
+        "|---|---|---|---|",
+        *_per_element_rows(plain["per_element"], ours["per_element"]),
+        "",
         "| eager host time, median µs | |",
         "|---|---|",
         f"| one collective of a layer's payload (129 float64), the transport's `sum_` | "
@@ -183,6 +213,15 @@ def render(result: dict[str, Any], cfg: CompiledGraphConfig) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _per_element_rows(plain: dict[str, dict[str, int]], ours: dict[str, dict[str, int]]) -> list[str]:
+    rows = []
+    for loop in ("pointwise", "reduction"):
+        for kind, label in (("statements", "statements"), ("double", "of them in float64"), ("root", "roots"),
+                            ("division", "divisions")):
+            rows.append(f"| {loop} loops: {label} | {plain[loop].get(kind, 0)} | {ours[loop].get(kind, 0)} | |")
+    return rows
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
