@@ -2,7 +2,23 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .batchnorm import (
+from .comm import LayerMismatchError, ReplicaSyncError, is_debug_enabled, new_sync_groups, set_debug
+from .integrations.convert import convert_model, revert_model
+from .integrations.data_parallel import (
+    DataParallelWithCallback,
+    execute_replication_callbacks,
+    patch_replication_callback,
+)
+from .integrations.registry import register_conversion
+from .integrations.running_stats import sync_running_stats
+from .integrations.torch_join import SyncBatchNormJoinable, join_layers
+from .integrations.torch_patch import (
+    is_torch_sync_batchnorm_patched,
+    patch_torch_sync_batchnorm,
+    unpatch_torch_sync_batchnorm,
+)
+from .kernels.compiled import get_kernels, set_kernels
+from .layer.batchnorm import (
     SyncBatchNorm,
     SynchronizedBatchNorm1d,
     SynchronizedBatchNorm2d,
@@ -10,14 +26,6 @@ from .batchnorm import (
     patch_sync_batchnorm,
     set_sbn_eps_mode,
 )
-from .comm import LayerMismatchError, ReplicaSyncError, is_debug_enabled, new_sync_groups, set_debug
-from .convert import convert_model, revert_model
-from .join import SyncBatchNormJoinable, join_layers
-from .kernels import get_kernels, set_kernels
-from .registry import register_conversion
-from .replicate import DataParallelWithCallback, execute_replication_callbacks, patch_replication_callback
-from .running_stats import sync_running_stats
-from .torch_patch import is_torch_sync_batchnorm_patched, patch_torch_sync_batchnorm, unpatch_torch_sync_batchnorm
 
 try:
     # The installed distribution's version (pyproject.toml's, through the wheel's or the editable install's metadata).

@@ -22,7 +22,7 @@ from conv_bn_model import batch, build
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from syncbn_dist.lightning import SyncBatchNormPlugin
+from syncbn_dist.integrations.lightning import SyncBatchNormPlugin
 
 # The Lightning package the script runs: PACKAGE when run as a script; whichever imports when the test imports it.
 if __name__ == "__main__":

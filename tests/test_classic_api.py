@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 import syncbn_dist
 from syncbn_dist import ReplicaSyncError, SyncBatchNorm, SynchronizedBatchNorm2d, execute_replication_callbacks
-from syncbn_dist.replicate import _replicate_on_cpu
+from syncbn_dist.integrations.data_parallel import _replicate_on_cpu
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 import syncbn_dist
 from launch.common.spawn import run_distributed
 from launch.common.torchrun import env_outside_torchrun
-from syncbn_dist.tracing import eager_replica_thread, is_compiling
+from syncbn_dist.kernels.tracing import eager_replica_thread, is_compiling
 
 C = 4
 # Per-rank batch sizes of each step: uneven, then an empty rank (the last rank), then even.

@@ -33,7 +33,7 @@ from launch.bench.compiled_graph import InductorCounts, inductor_counts
 from launch.bench.models import ResNet50
 from launch.bench.resnet50_step import force_sync
 from launch.common.spawn import run_distributed
-from syncbn_dist import kernels
+from syncbn_dist.kernels import compiled as kernels
 
 needs_cxx = pytest.mark.skipif(
     not any(shutil.which(cc) for cc in ("g++", "c++")), reason="inductor needs a C++ compiler"

@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from launch.common.spawn import run_distributed
-from syncbn_dist import compiled_kernel, kernels
-from syncbn_dist.direct_call import DirectCall
+from syncbn_dist.kernels import compiled as kernels
+from syncbn_dist.kernels import compiled_kernel
+from syncbn_dist.kernels.direct_call import DirectCall
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

@@ -27,7 +27,7 @@ from zoo_layers import TIMM, BatchNormAct2d, NaiveSyncBatchNorm, SyncBatchNormAc
 import syncbn_dist
 from launch.common.spawn import run_distributed
 from syncbn_dist import DataParallelWithCallback, SyncBatchNorm
-from syncbn_dist.families import SynchronizedBatchNormAct, SynchronizedBatchNormAct2d
+from syncbn_dist.integrations.families import SynchronizedBatchNormAct, SynchronizedBatchNormAct2d
 
 
 def _sync_bn_act(num_features: int, act: nn.Module, drop: bool = False) -> SyncBatchNormAct:

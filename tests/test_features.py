@@ -39,7 +39,7 @@ from launch.common.counting import CollectiveCounter
 from launch.common.spawn import run_distributed
 from syncbn_dist import DataParallelWithCallback, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
 from syncbn_dist.comm import DistributedTransport
-from syncbn_dist.functions import combine_moments, local_moments
+from syncbn_dist.layer.functions import combine_moments, local_moments
 
 C = 3  # channels of every synchronized layer here
 SEED = 1234

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from syncbn_dist.functions import LEAN_MIN_NUMEL, combine_moments, local_moments, sync_batch_norm
+from syncbn_dist.layer.functions import LEAN_MIN_NUMEL, combine_moments, local_moments, sync_batch_norm
 
 SHAPES = [(6, 3), (5, 3, 4), (4, 3, 3, 2), (3, 2, 2, 3, 2)]
 

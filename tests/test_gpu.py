@@ -41,9 +41,10 @@ import syncbn_dist
 from launch.bench.micro import compiled_bytes_per_element
 from launch.bench.resnet50_step import force_sync
 from launch.common.spawn import run_distributed
-from syncbn_dist import SyncBatchNorm, kernels
+from syncbn_dist import SyncBatchNorm
 from syncbn_dist.comm import DistributedTransport
-from syncbn_dist.functions import sync_batch_norm
+from syncbn_dist.kernels import compiled as kernels
+from syncbn_dist.layer.functions import sync_batch_norm
 
 pytestmark = [
     pytest.mark.gpu,

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 import syncbn_dist
 from launch.common.spawn import run_distributed
 from syncbn_dist.comm import run_replicas_in_threads
-from syncbn_dist.replicate import _abort_exchanges, _replicate_on_cpu
+from syncbn_dist.integrations.data_parallel import _abort_exchanges, _replicate_on_cpu
 from tests.closeness import assert_close
 
 # Float64 end to end: the results differ from the reference by float64 rounding of a few hundred operations.

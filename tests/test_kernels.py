@@ -36,9 +36,9 @@ from syncbn_dist import (
     SynchronizedBatchNorm3d,
     convert_model,
     get_kernels,
-    kernels,
     set_kernels,
 )
+from syncbn_dist.kernels import compiled as kernels
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

@@ -44,7 +44,7 @@ def test_core_does_not_import_lightning() -> None:
 
 @needs_lightning
 def test_plugin_is_a_layer_sync_of_each_installed_package() -> None:
-    from syncbn_dist.lightning import SyncBatchNormPlugin
+    from syncbn_dist.integrations.lightning import SyncBatchNormPlugin
 
     plugin = SyncBatchNormPlugin()
     for package in TRAINER_PACKAGES:

@@ -38,7 +38,7 @@ from syncbn_dist import (
     patch_replication_callback,
 )
 from syncbn_dist.comm import run_replicas_in_threads
-from syncbn_dist.replicate import _abort_exchanges, _replicate_on_cpu
+from syncbn_dist.integrations.data_parallel import _abort_exchanges, _replicate_on_cpu
 
 # An exchange timeout that only an abort can beat within a test's pytest-timeout.
 LONG = 600.0

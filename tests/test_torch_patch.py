@@ -33,7 +33,7 @@ from torch.nn.utils import parametrize
 import syncbn_dist
 from launch.common.spawn import run_distributed
 from syncbn_dist import patch_torch_sync_batchnorm, unpatch_torch_sync_batchnorm
-from syncbn_dist.torch_patch import SyncBatchNormAct
+from syncbn_dist.integrations.torch_patch import SyncBatchNormAct
 
 HERE = Path(__file__).resolve().parent
 ROWS = (3, 5)  # rows of the global batch on rank 0 and rank 1

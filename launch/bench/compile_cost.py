@@ -24,9 +24,9 @@ def _child(device: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from syncbn_dist import kernels
     from syncbn_dist.comm import DistributedTransport
-    from syncbn_dist.functions import sync_batch_norm
+    from syncbn_dist.kernels import compiled as kernels
+    from syncbn_dist.layer.functions import sync_batch_norm
 
     torch.set_num_threads(1)
     backend = "nccl" if device == "cuda" else "gloo"

@@ -28,9 +28,9 @@ import cProfile
 import pstats
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from collections import Counter
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -57,8 +57,8 @@ class CompiledGraphConfig:
 
 class InductorCounts(NamedTuple):
     """What inductor generated for one compiled training step: kernels, bytes accessed (its own count), and the
-    statements of its loops over activation elements by kind (:func:`launch.bench.generated_code.per_element_statements`:
-    ``{"pointwise": Counter, "reduction": Counter}``)."""
+    statements of its loops over activation elements by kind
+    (:func:`launch.bench.generated_code.per_element_statements`: ``{"pointwise": Counter, "reduction": Counter}``)."""
 
     kernels: int
     bytes: int

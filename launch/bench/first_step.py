@@ -70,7 +70,7 @@ def _steps(cfg: FirstStepConfig) -> dict[str, Any]:
     from torch import nn
 
     import syncbn_dist
-    from syncbn_dist import kernels
+    from syncbn_dist.kernels import compiled as kernels
 
     torch.manual_seed(0)
     model = nn.Sequential(

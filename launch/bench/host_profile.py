@@ -26,7 +26,7 @@ import torch
 from launch.bench.kernel_profile import KernelProfileConfig, one_member_group, parse_profile_config
 from launch.bench.micro import COMPILED, _Case, _Replay
 from launch.common.config import ConfigError, config_error_exit, positive
-from syncbn_dist import kernels
+from syncbn_dist.kernels import compiled as kernels
 
 
 @dataclass

@@ -26,10 +26,10 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
 from launch.common.counting import count_layer
-from syncbn_dist import kernels
-from syncbn_dist.batchnorm import _SoloTransport
 from syncbn_dist.comm import DistributedTransport
-from syncbn_dist.functions import sync_batch_norm
+from syncbn_dist.kernels import compiled as kernels
+from syncbn_dist.layer.batchnorm import _SoloTransport
+from syncbn_dist.layer.functions import sync_batch_norm
 
 _MOMENTUM = 0.1
 _EPS = 1e-5

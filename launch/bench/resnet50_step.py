@@ -74,8 +74,8 @@ from launch.bench.summary import fmt
 from launch.common.config import ConfigError, config_error_exit, one_of, parse_config, positive, ruled
 from launch.common.counting import OpCounter
 from launch.common.io import write_text
-from syncbn_dist.batchnorm import SyncBatchNorm
 from syncbn_dist.comm import DistributedTransport
+from syncbn_dist.layer.batchnorm import SyncBatchNorm
 
 EAGER_VARIANTS = ("plain", "torch_function", "naive", "syncbn_dist_native", "syncbn_dist_compiled")
 # torch.compile variant -> (the eager variant whose model it compiles, torch.compile's mode).

@@ -43,7 +43,7 @@ from torch.profiler import ProfilerActivity, profile
 import syncbn_dist
 from launch.bench.models import COMPILED_SUFFIX, DEBUG_VARIANTS, build_model, build_variant
 from launch.common.counting import CollectiveCounter, OpCounter
-from syncbn_dist import kernels
+from syncbn_dist.kernels import compiled as kernels
 
 _MIB = 2.0**20
 _DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters

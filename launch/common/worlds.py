@@ -6,7 +6,7 @@ syncbn_dist); the suite pays that once per rank process instead of once per job,
 ``MultiProcessTestCase`` kept alive. Process ``r`` of the pool is rank ``r`` of every job of more than ``r`` ranks: a
 job of world size ``n`` runs on the first ``n`` processes, spawned when first needed. Each job still runs on a real
 gloo process group on loopback, set up for it (file:// rendezvous, the job's collective timeout) and destroyed after it
-(:func:`~launch.common.spawn.run_on_group`), so no process group, pending collective or group-keyed cache outlives
+(:func:`~launch.common.rank_jobs.run_on_group`), so no process group, pending collective or group-keyed cache outlives
 its job.
 
 What a job may leave in a rank that a fresh process would not have is put back after it (:class:`_RankState`):
@@ -61,9 +61,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.multiprocessing as mp
 
-from syncbn_dist.kernels import KERNELS_ENV
+from syncbn_dist.kernels.compiled import KERNELS_ENV
 
-from .spawn import job_results, run_on_group
+from .rank_jobs import job_results, run_on_group
 
 __all__ = ["PER_JOB_ENV", "WorldPool"]
 
@@ -224,7 +224,7 @@ class _RankState:
         os.chdir(self.cwd)
         sys.path[:] = self.path
         # The patch first: it records torch's own attributes in the module state put back below.
-        sys.modules["syncbn_dist.torch_patch"].unpatch_torch_sync_batchnorm()
+        sys.modules["syncbn_dist.integrations.torch_patch"].unpatch_torch_sync_batchnorm()
         for namespace in self.library:
             namespace.restore()
         for cache in self.caches:

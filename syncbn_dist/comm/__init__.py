@@ -12,8 +12,6 @@ A transport sums a list of tensors over the members of a group with one collecti
 
 from __future__ import annotations
 
-from typing import Any
-
 from .agreement import LayerMismatchError, is_debug_enabled, set_debug
 from .distributed import (
     DistributedTransport,
@@ -32,6 +30,7 @@ from .replica import (
     SlavePipe,
     SyncMaster,
     new_sync_master,
+    run_replicas_in_threads,
     sum_replica_messages,
 )
 
@@ -57,11 +56,3 @@ __all__ = [
     "sum_replica_messages",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    # The thread runner lives beside its only user, syncbn_dist.replicate (which imports this package).
-    if name == "run_replicas_in_threads":
-        from ..replicate import run_replicas_in_threads
-
-        return run_replicas_in_threads
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

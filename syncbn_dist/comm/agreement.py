@@ -172,6 +172,7 @@ class CheckedTransport:
         self, transport: Any, agreement: LayerAgreement, num_features: int, dtype: torch.dtype, description: str
     ) -> None:
         self.name = transport.name
+        self.differentiable_exchange = False
         self.transport = transport
         self._agreement = agreement
         self._num_features, self._dtype, self._description = num_features, dtype, description
@@ -181,8 +182,8 @@ class CheckedTransport:
         return self.transport.process_group
 
     @property
-    def group_name(self) -> str:
-        """The group name of the compiled kernels' collective (``AttributeError`` where the transport has none)."""
+    def group_name(self) -> Any:
+        """The compiled kernels' name of the transport's group (see ``SummingTransport.group_name``)."""
         return self.transport.group_name
 
     def agreement_group(self) -> Any:

@@ -102,6 +102,7 @@ class DistributedTransport:
     """
 
     name = "distributed"
+    differentiable_exchange = False
 
     def __init__(self, process_group: Optional[Any] = None) -> None:
         self.process_group = process_group

@@ -1,22 +1,27 @@
 """The DataParallel transport: the in-process master/slave exchange between replicas running in threads.
 
 :class:`SyncMaster`, :class:`SlavePipe` and :class:`FutureResult` follow the classic Synchronized-BatchNorm
-design; :class:`DataParallelTransport` sums over the replicas and, on the master, optionally over processes.
+design; :class:`DataParallelTransport` sums over the replicas and, on the master, optionally over processes;
+:func:`run_replicas_in_threads` runs replicas in threads (CPU replicas, and tests).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
+import torch
 from torch import Tensor
 
 from .distributed import DistributedTransport
 
 __all__ = [
     "DEFAULT_REPLICA_TIMEOUT",
+    "install_placeholder_cuda_guard",
+    "run_replicas_in_threads",
     "DataParallelTransport",
     "FutureResult",
     "ReplicaSyncError",
@@ -291,6 +296,7 @@ class DataParallelTransport:
     """
 
     name = "dataparallel"
+    differentiable_exchange = True
 
     def __init__(self, exchange: SyncMaster | SlavePipe, inner: Optional[DistributedTransport] = None) -> None:
         self.exchange = exchange
@@ -337,3 +343,82 @@ def new_sync_master(
 ) -> SyncMaster:
     """A :class:`SyncMaster` wired to :func:`sum_replica_messages`, part of ``replication`` if given."""
     return SyncMaster(sum_replica_messages, timeout, replication)
+
+
+@functools.cache
+def install_placeholder_cuda_guard() -> None:
+    """Have torch install its placeholder CUDA device guard from a thread that lives as long as the process.
+
+    With no usable GPU, every FakeTensorMode entry (each trace of torch.compile) calls
+    ``torch._C._ensureCUDADeviceGuardSet``. On torch 2.11's CUDA wheel its first call puts a guard owned by the
+    calling thread (a ``thread_local``) into the process-wide registry: when a replica thread traced first, the
+    registry points at freed memory once that thread ends, and the next device-guard lookup (a backward, another
+    trace) segfaults. torch 2.12 does not. Called before the first compilation and before replica threads start:
+    from the main thread it installs the guard there; from any other thread, in a parked daemon thread.
+    """
+    if torch.cuda.is_available() or not hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
+        return
+    if threading.current_thread() is threading.main_thread():
+        torch._C._ensureCUDADeviceGuardSet()
+        return
+    installed = threading.Event()
+
+    def own_the_guard() -> None:
+        torch._C._ensureCUDADeviceGuardSet()
+        installed.set()
+        threading.Event().wait()  # parked: the guard lives as long as this thread
+
+    threading.Thread(target=own_the_guard, name="syncbn_dist-cuda-guard", daemon=True).start()
+    installed.wait()
+
+
+def _cpu_autocast_state() -> tuple[bool, torch.dtype]:
+    try:
+        return torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+    except TypeError:  # torch < 2.4
+        return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+
+
+def run_replicas_in_threads(
+    replicas: Sequence[Callable[..., Any]],
+    inputs: Sequence[tuple[Any, ...]],
+    kwargs: Sequence[dict[str, Any]],
+    on_error: Callable[[BaseException], None],
+) -> list[Any]:
+    """Run ``replicas[i](*inputs[i], **kwargs[i])`` in one thread each and return the outputs in order.
+
+    Grad mode and CPU autocast state are carried into the threads, as ``torch.nn.parallel.parallel_apply``
+    does. When a replica raises, ``on_error`` is called at once (to wake peers blocked in an exchange),
+    every thread is joined, and the first error is re-raised in the caller.
+
+    Raises:
+        Exception: the first exception raised by a replica.
+    """
+    install_placeholder_cuda_guard()
+    grad_enabled = torch.is_grad_enabled()
+    autocast_enabled, autocast_dtype = _cpu_autocast_state()
+    outputs: list[Any] = [None] * len(replicas)
+    errors: list[tuple[int, BaseException]] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        try:
+            with torch.set_grad_enabled(grad_enabled), torch.autocast(
+                "cpu", enabled=autocast_enabled, dtype=autocast_dtype
+            ):
+                outputs[i] = replicas[i](*inputs[i], **kwargs[i])
+        except BaseException as error:  # noqa: B036 - re-raised in the caller below
+            with lock:
+                errors.append((i, error))
+            on_error(error)
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(replicas))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        # Prefer the root cause over the ReplicaSyncErrors it triggered in the peers.
+        errors.sort(key=lambda pair: (isinstance(pair[1], ReplicaSyncError), pair[0]))
+        raise errors[0][1]
+    return outputs

@@ -26,16 +26,16 @@ tangent statistics. docs/design.md, "Higher-order derivatives", has the math.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Sequence, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 from torch.autograd import Function
 
-from . import kernels
-from .exchange_functions import _sync_batch_norm_differentiable
-from .kernels import _channel_shape, _reduced_dims, _stat_dtype
-from .native import (
+from ..comm.transport import UNREACHABLE, Transport
+from ..kernels import compiled as kernels
+from ..kernels.compiled import _channel_shape, _reduced_dims, _stat_dtype
+from ..kernels.native import (
     _as_stat,
     _batch_norm_inference,
     _grad_input,
@@ -43,6 +43,8 @@ from .native import (
     _local_reductions,
     _normalizing_var,
 )
+from ..kernels.tracing import _forward_ad_active, _forward_ad_level_active, _is_functorch_wrapped, is_compiling
+from .exchange_functions import _sync_batch_norm_differentiable
 from .statistics import (
     _COMBINE_DTYPE,
     LEAN_MIN_NUMEL,
@@ -54,7 +56,6 @@ from .statistics import (
     local_moments,
     local_payload,
 )
-from .tracing import _forward_ad_active, _forward_ad_level_active, _is_functorch_wrapped, is_compiling
 
 __all__ = [
     "LEAN_MIN_NUMEL",
@@ -68,26 +69,6 @@ __all__ = [
 
 
 EPS_MODES = ("plus", "clip")
-
-
-class Transport(Protocol):
-    """Sums tensors over every member of a group (processes, replicas, or both).
-
-    ``all_reduce`` must run one collective for the whole list, return new tensors, and be differentiable: the
-    gradients of the outputs are summed over the members into the gradients of the inputs that require grad,
-    again with one collective. A transport may also offer ``sum_(tensor) -> Tensor``, a plain (not
-    differentiable) sum that can run inside an autograd Function; :func:`sync_batch_norm` then takes the
-    single-Function path.
-    """
-
-    name: str
-
-    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]: ...
-
-    def agreement_group(self) -> Any:
-        """The process group whose members check, before a collective, that they are at the same one; None when
-        nobody is to be checked (:mod:`syncbn_dist.comm.agreement`)."""
-
 
 
 class _SyncBatchNormFunction(Function):
@@ -187,7 +168,8 @@ def _compiled_group_name(input: Tensor, transport: Any, compiling: bool) -> Any:
     """
     if not compiling and not (kernels.use_compiled(input) and not _forward_ad_active()):
         return _NATIVE
-    return getattr(transport, "group_name", _NATIVE)
+    group_name = transport.group_name
+    return _NATIVE if group_name is UNREACHABLE else group_name
 
 
 class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
@@ -312,7 +294,7 @@ def sync_batch_norm(
         momentum: the exponential average factor already resolved by the module (1/num_batches_tracked for a
             cumulative average).
         eps: the numerical-stability term of the variance.
-        transport: sums the payload over the members; see :class:`Transport`.
+        transport: sums the payload over the members; see :mod:`syncbn_dist.comm.transport`.
         eps_mode: ``"plus"`` normalizes by ``sqrt(var + eps)`` (nn.BatchNorm), ``"clip"`` by
             ``sqrt(max(var, eps))`` (the classic Synchronized-BatchNorm-PyTorch default).
 
@@ -340,7 +322,7 @@ def _sync_batch_norm(
     compiling: bool,
 ) -> Tensor:
     """:func:`sync_batch_norm`, ``compiling`` being the caller's :func:`is_compiling` (the layer asks once)."""
-    if not hasattr(transport, "sum_"):
+    if transport.differentiable_exchange:
         output, mean, unbiased_var = _sync_batch_norm_differentiable(input, weight, bias, eps, eps_mode, transport)
     elif compiling:
         output, mean, unbiased_var, *_ = _SyncBatchNormFunction.apply(input, weight, bias, eps, eps_mode, transport)

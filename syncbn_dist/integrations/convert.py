@@ -10,10 +10,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
+from ..layer.batchnorm import SyncBatchNorm
 from . import families  # noqa: F401 - registers the model zoos' classes
-from .batchnorm import SyncBatchNorm
+from .data_parallel import DataParallelWithCallback
 from .registry import PLAIN_OF, class_path, find_conversion
-from .replicate import DataParallelWithCallback
 
 __all__ = ["convert_model", "revert_model"]
 

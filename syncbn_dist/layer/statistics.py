@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .tracing import is_compiling
+from ..kernels.tracing import is_compiling
 
 __all__ = ["LEAN_MIN_NUMEL", "combine_moments", "global_statistics", "local_moments", "local_payload"]
 

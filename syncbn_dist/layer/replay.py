@@ -48,6 +48,8 @@ class RecordingTransport:
         records: the layer replica's list of records, which :class:`ReplayTransport` reads.
     """
 
+    differentiable_exchange = True
+
     def __init__(self, transport: Any, records: list[_Record]) -> None:
         self.name = transport.name
         self._transport = transport
@@ -74,6 +76,8 @@ class ReplayTransport:
         RuntimeError: from ``all_reduce``, if no recorded call had this payload, or several had it with different
             totals; from backward, under ``use_reentrant=True`` checkpointing (see the module docstring).
     """
+
+    differentiable_exchange = True
 
     def __init__(self, name: str, records: list[_Record], description: str) -> None:
         self.name = name

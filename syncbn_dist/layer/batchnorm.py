@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .comm import (
+from ..comm import (
     DEFAULT_REPLICA_TIMEOUT,
     DataParallelTransport,
     LayerMismatchError,
@@ -21,13 +21,13 @@ from .comm import (
     is_debug_enabled,
     new_sync_master,
 )
-from .comm import agreement as agreement_module
-from .comm.agreement import CheckedTransport, LayerAgreement, agreement_of, collective_key, verify_while_tracing
-from .comm.distributed import cached_distributed_transport
-from .comm.join import JoinBinding, JoinTransport
+from ..comm import agreement as agreement_module
+from ..comm.agreement import CheckedTransport, LayerAgreement, agreement_of, collective_key, verify_while_tracing
+from ..comm.distributed import cached_distributed_transport
+from ..comm.join_session import JoinBinding, JoinTransport
+from ..kernels.tracing import eager_replica_thread, is_compiling
 from .functions import Transport, _sync_batch_norm
 from .replay import RecordingTransport, ReplayTransport
-from .tracing import eager_replica_thread, is_compiling
 
 __all__ = [
     "SyncBatchNorm",
@@ -74,6 +74,7 @@ class _SoloTransport:
     """The transport of a group of one: the sum over the members is the tensor itself (no communication)."""
 
     name = "local"
+    differentiable_exchange = False
     group_name = None  # the compiled kernels' name for a group of one: no collective
 
     def sum_(self, tensor: Tensor) -> Tensor:

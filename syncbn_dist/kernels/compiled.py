@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .comm.distributed import all_reduce_sum
+from ..comm.distributed import all_reduce_sum
 from .compiled_kernel import _CompiledKernel
 from .tracing import is_compiling
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .comm import all_reduce_mean_, broadcast_from_first_, group_needs_sync
+from ..comm import all_reduce_mean_, broadcast_from_first_, group_needs_sync
 
 __all__ = ["sync_running_stats"]
 

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .agreement import LayerMismatchError
 from .distributed import DistributedTransport
+from .transport import UNREACHABLE
 
 __all__ = ["JoinBinding", "JoinSession", "JoinTransport"]
 
@@ -201,6 +202,9 @@ class JoinTransport:
     """
 
     name = "distributed"
+    differentiable_exchange = False
+    # The controls that announce each collective to the joined ranks run in Python: no compiled region can send them.
+    group_name = UNREACHABLE
 
     def __init__(self, session: JoinSession, layer: int) -> None:
         self.session = session

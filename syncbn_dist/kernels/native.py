@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .statistics import LEAN_MIN_NUMEL, _lean_regime
+from ..layer.statistics import LEAN_MIN_NUMEL, _lean_regime
 
 # CPU's batch-norm backward, which takes "running" statistics in inference mode (eval: no batch statistics): the
 # overload's C++ callable where torch exposes it (what OpOverload.__call__ calls, without its Python frame).

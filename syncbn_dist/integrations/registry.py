@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional, Union
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .batchnorm import SyncBatchNorm, SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
+from ..layer.batchnorm import SyncBatchNorm, SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
 
 __all__ = ["register_conversion"]
 

@@ -10,21 +10,19 @@ back (docs/design.md, "Higher-order derivatives"). The process-group path is one
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function
 
-from . import kernels
-from .kernels import _channel_shape, _reduced_dims, _stat_dtype
-from .native import _as_stat, _batch_norm_inference, _like_input, _normalizing_var, _scaled_grad_and_reductions
+from ..comm.transport import Transport
+from ..kernels import compiled as kernels
+from ..kernels.compiled import _channel_shape, _reduced_dims, _stat_dtype
+from ..kernels.native import _as_stat, _batch_norm_inference, _like_input, _normalizing_var, _scaled_grad_and_reductions
+from ..kernels.tracing import _forward_ad_active, _functorch_wrapped, is_compiling
 from .statistics import _COMBINE_DTYPE, _checked_count, _global_statistics_as, local_payload
-from .tracing import _forward_ad_active, _functorch_wrapped, is_compiling
-
-if TYPE_CHECKING:
-    from .functions import Transport
 
 __all__: list[str] = []
 

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import functools
-import threading
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.utils._pytree
 from torch import Tensor, nn
 
-from .comm.replica import ReplicaSyncError, Replication, SyncMaster
-from .compiled_kernel import install_placeholder_cuda_guard
+from ..comm.replica import Replication, SyncMaster, run_replicas_in_threads
 
 __all__ = [
     "CallbackContext",
     "DataParallelWithCallback",
     "execute_replication_callbacks",
     "patch_replication_callback",
-    "run_replicas_in_threads",
 ]
 
 
@@ -285,55 +282,3 @@ def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
 
     data_parallel.replicate = new_replicate
     data_parallel.parallel_apply = new_parallel_apply
-
-
-def _cpu_autocast_state() -> tuple[bool, torch.dtype]:
-    try:
-        return torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
-    except TypeError:  # torch < 2.4
-        return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
-
-
-def run_replicas_in_threads(
-    replicas: Sequence[Callable[..., Any]],
-    inputs: Sequence[tuple[Any, ...]],
-    kwargs: Sequence[dict[str, Any]],
-    on_error: Callable[[BaseException], None],
-) -> list[Any]:
-    """Run ``replicas[i](*inputs[i], **kwargs[i])`` in one thread each and return the outputs in order.
-
-    Grad mode and CPU autocast state are carried into the threads, as ``torch.nn.parallel.parallel_apply``
-    does. When a replica raises, ``on_error`` is called at once (to wake peers blocked in an exchange),
-    every thread is joined, and the first error is re-raised in the caller.
-
-    Raises:
-        Exception: the first exception raised by a replica.
-    """
-    install_placeholder_cuda_guard()
-    grad_enabled = torch.is_grad_enabled()
-    autocast_enabled, autocast_dtype = _cpu_autocast_state()
-    outputs: list[Any] = [None] * len(replicas)
-    errors: list[tuple[int, BaseException]] = []
-    lock = threading.Lock()
-
-    def worker(i: int) -> None:
-        try:
-            with torch.set_grad_enabled(grad_enabled), torch.autocast(
-                "cpu", enabled=autocast_enabled, dtype=autocast_dtype
-            ):
-                outputs[i] = replicas[i](*inputs[i], **kwargs[i])
-        except BaseException as error:  # noqa: B036 - re-raised in the caller below
-            with lock:
-                errors.append((i, error))
-            on_error(error)
-
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(replicas))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        # Prefer the root cause over the ReplicaSyncErrors it triggered in the peers.
-        errors.sort(key=lambda pair: (isinstance(pair[1], ReplicaSyncError), pair[0]))
-        raise errors[0][1]
-    return outputs

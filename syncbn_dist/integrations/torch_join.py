@@ -35,11 +35,11 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 from torch.nn.parallel import DistributedDataParallel
 
-from .batchnorm import SyncBatchNorm
-from .comm.distributed import all_gather_bytes
-from .comm.join import JoinBinding, JoinSession, JoinTransport
-from .functions import _update_running_stats
-from .statistics import global_statistics
+from ..comm.distributed import all_gather_bytes
+from ..comm.join_session import JoinBinding, JoinSession, JoinTransport
+from ..layer.batchnorm import SyncBatchNorm
+from ..layer.functions import _update_running_stats
+from ..layer.statistics import global_statistics
 
 __all__ = ["SyncBatchNormJoinable", "join_layers"]
 

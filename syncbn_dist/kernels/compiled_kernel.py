@@ -8,7 +8,6 @@ would pass the call anyway. Also here: what compiling inside a DDP forward or a 
 
 from __future__ import annotations
 
-import functools
 import threading
 import types
 from typing import Any, Callable, Optional
@@ -19,6 +18,7 @@ from torch._dynamo import config as dynamo_config
 from torch.fx.experimental import _config as fx_config
 from torch.nn.parallel import DistributedDataParallel
 
+from ..comm.replica import install_placeholder_cuda_guard
 from .direct_call import DirectCall, GraphCallRecorder, recording_backend
 
 
@@ -38,33 +38,6 @@ def _outside_ddp_forward(compiled: Callable[..., Any], *args: Any) -> Any:
         return compiled(*args)
     finally:
         DistributedDataParallel._active_ddp_module = active
-
-
-@functools.cache
-def install_placeholder_cuda_guard() -> None:
-    """Have torch install its placeholder CUDA device guard from a thread that lives as long as the process.
-
-    With no usable GPU, every FakeTensorMode entry (each trace of torch.compile) calls
-    ``torch._C._ensureCUDADeviceGuardSet``. On torch 2.11's CUDA wheel its first call puts a guard owned by the
-    calling thread (a ``thread_local``) into the process-wide registry: when a replica thread traced first, the
-    registry points at freed memory once that thread ends, and the next device-guard lookup (a backward, another
-    trace) segfaults. torch 2.12 does not. Called before the first compilation and before replica threads start:
-    from the main thread it installs the guard there; from any other thread, in a parked daemon thread.
-    """
-    if torch.cuda.is_available() or not hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
-        return
-    if threading.current_thread() is threading.main_thread():
-        torch._C._ensureCUDADeviceGuardSet()
-        return
-    installed = threading.Event()
-
-    def own_the_guard() -> None:
-        torch._C._ensureCUDADeviceGuardSet()
-        installed.set()
-        threading.Event().wait()  # parked: the guard lives as long as this thread
-
-    threading.Thread(target=own_the_guard, name="syncbn_dist-cuda-guard", daemon=True).start()
-    installed.wait()
 
 
 # Held for the first call of every signature: one compilation at a time, under the config patch above it.

@@ -1,0 +1,107 @@
+"""The package's import graph: no circles in ``syncbn_dist/`` or ``launch/``, and the layers' direction.
+
+Every import counts: at module level, inside functions (lazy) and under ``TYPE_CHECKING``, since each is a dependency
+a reader follows. The graph is read from the source with :mod:`ast`, so nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def import_graph(packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """``{module: modules of ``packages`` it imports}`` for every module of ``packages`` (dotted names).
+
+    ``from package import name`` depends on ``package.name`` where that is a module, else on ``package``; a module's
+    own packages (imported before it anyway) are left out.
+    """
+    modules = {
+        _module_name(path): path for package in packages for path in (ROOT / package).rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        base = name if _is_package(path) else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    anchor = base.split(".")
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    source = ".".join(anchor + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                targets = [f"{source}.{alias.name}" for alias in node.names] + [source]
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                # A module's own packages are imported before it anyway: an edge to one is no dependency.
+                if target and target != name and not name.startswith(target + "."):
+                    graph[name].add(target)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph[node]):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+@pytest.mark.parametrize("package", ["syncbn_dist", "launch"])
+def test_no_import_circles(package: str) -> None:
+    assert import_cycles(import_graph((package,))) == []
+
+
+def test_the_library_never_imports_the_recipes() -> None:
+    graph = import_graph(("syncbn_dist", "launch"))
+    assert not [(module, target) for module, targets in graph.items() if module.startswith("syncbn_dist")
+                for target in targets if target.startswith("launch")]
+
+
+def test_the_checks_find_a_circle() -> None:
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
