@@ -97,7 +97,7 @@ def test_trainer_ddp_on_cpu_gives_global_batch_statistics(tmp_path: Path, packag
             assert report["after_fit"][1::4] == ["BatchNorm2d", "BatchNorm1d"]
             assert all(report["after_fit_types_are_torch"])
         else:
-            assert report["forward_module"] == "syncbn_dist.torch_patch", rank
+            assert report["forward_module"] == "syncbn_dist.integrations.torch_patch", rank
             assert report["seen"]["classes"][1::4] == ["SyncBatchNorm", "SyncBatchNorm"], rank
             assert report["after_fit"][1::4] == ["_BatchNormXd", "_BatchNormXd"]  # Lightning's revert
         for key, value in reference.state_dict().items():

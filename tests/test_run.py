@@ -25,7 +25,7 @@ from tests.sessions import run_in_session
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PATCHED = "syncbn_dist.torch_patch"
+PATCHED = "syncbn_dist.integrations.torch_patch"
 
 
 def _python(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:

@@ -11,7 +11,8 @@ and knows nothing about batch norm. The synchronized layer has two autograd shap
   happen, so the layer is two Functions around it (:mod:`syncbn_dist.layer.exchange_functions`).
 
 Each transport says which it is with ``differentiable_exchange``, a class attribute: the layer reads that one flag
-to choose its autograd shape, once per call.
+to choose its autograd shape, once per call. A transport that does not set it is an exchange: ``name`` and a
+differentiable ``all_reduce`` are all :func:`syncbn_dist.layer.functions.sync_batch_norm` needs of one.
 """
 
 from __future__ import annotations

@@ -322,7 +322,8 @@ def _sync_batch_norm(
     compiling: bool,
 ) -> Tensor:
     """:func:`sync_batch_norm`, ``compiling`` being the caller's :func:`is_compiling` (the layer asks once)."""
-    if transport.differentiable_exchange:
+    # An exchange unless the transport says otherwise (syncbn_dist.comm.transport).
+    if getattr(transport, "differentiable_exchange", True):
         output, mean, unbiased_var = _sync_batch_norm_differentiable(input, weight, bias, eps, eps_mode, transport)
     elif compiling:
         output, mean, unbiased_var, *_ = _SyncBatchNormFunction.apply(input, weight, bias, eps, eps_mode, transport)
