@@ -37,9 +37,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.distributed import all_gather_bytes
 from ..comm.join_session import JoinBinding, JoinSession, JoinTransport
+from ..kernels.statistics import moments_of_total
 from ..layer.batchnorm import SyncBatchNorm
-from ..layer.functions import _update_running_stats
-from ..layer.statistics import global_statistics
+from ..layer.statistics import update_running_stats
 
 __all__ = ["SyncBatchNormJoinable", "join_layers"]
 
@@ -147,17 +147,17 @@ class SyncBatchNormJoinable(Joinable):
 
     def _on_forward_total(self, code: int, total: Tensor) -> None:
         """A joined rank's running statistics, updated from a forward's summed payload as the active ranks update
-        theirs (SyncBatchNorm._sync_forward and syncbn_dist.functions.sync_batch_norm): num_batches_tracked always,
-        the buffers if the global count is at least 2."""
+        theirs (``SyncBatchNorm._sync_forward``, ``syncbn_dist.layer.statistics.update_running_stats``):
+        num_batches_tracked always, the buffers if the global count is at least 2."""
         layer = self._layers[code - 1]
         if not (layer.track_running_stats and layer.running_mean is not None):
             return
         with torch.no_grad():
             layer.num_batches_tracked.add_(1)
             if total[-1].item() >= 2:
-                stats, _ = global_statistics(total)
-                _update_running_stats(
-                    layer.running_mean, layer.running_var, stats[0], stats[2], layer._momentum_factor(False)
+                mean, _, unbiased_var, _, _ = moments_of_total(total)
+                update_running_stats(
+                    layer.running_mean, layer.running_var, mean, unbiased_var, layer._momentum_factor(False)
                 )
 
 

@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..comm.distributed import all_reduce_sum
 from .compiled_kernel import _CompiledKernel
+from .statistics import invstd_and_scale, moments_of_total
 from .tracing import is_compiling
 
 __all__ = ["KERNEL_MODES", "get_kernels", "set_kernels"]
@@ -282,15 +283,10 @@ def normalize(
     and the normalizing variance (``max(var, eps) - eps`` when ``clip``) in the statistics dtype; the (1,) float64
     count; ``scale = weight * invstd`` (stored once per channel).
     """
-    num_features = x.size(1)
-    sums, squares, count = total.split([num_features, num_features, 1])
-    mean = sums / count
-    m2 = torch.addcmul(squares, sums, mean, value=-1.0)
-    var = m2 / count
+    mean, var, unbiased_var, count, _ = moments_of_total(total)
     if clip:
         var = var.clamp(min=eps) - eps
-    invstd = torch.rsqrt(var + eps)
-    scale = invstd if weight is None else invstd * weight.to(_F64)
+    _, scale = invstd_and_scale(var, eps, weight)
     dtype, shape = _stat_dtype(x), _channel_shape(x)
     mean_s, scale_s = _stored(mean.to(dtype)), _stored(scale.to(dtype))
     y = (x.to(dtype) - mean_s.view(shape)) * scale_s.view(shape)
@@ -298,7 +294,7 @@ def normalize(
         y = y + bias.to(dtype).view(shape)
     # count is returned as a copy: a view of the input total would be rebuilt outside the graph by AOTAutograd, and
     # a region whose output is not one of its graph's own is not called directly (syncbn_dist.direct_call).
-    return y.to(x.dtype), mean_s, (m2 / (count - 1.0)).to(dtype), var.to(dtype), count.clone(), scale_s
+    return y.to(x.dtype), mean_s, unbiased_var.to(dtype), var.to(dtype), count.clone(), scale_s
 
 
 def grad_reductions(
@@ -330,8 +326,7 @@ def grad_input(
     as ``dy * a + (x - mean) * b + c`` in the statistics dtype. Returns ``(dx, a, b, c)``. With ``clip``, a channel
     whose variance was clipped (``var == 0`` as the normalizing variance) drops the ``x_hat`` term.
     """
-    invstd = torch.rsqrt(var.to(_F64) + eps)
-    scale = invstd if weight is None else invstd * weight.to(_F64)
+    invstd, scale = invstd_and_scale(var.to(_F64), eps, weight)
     mean_dy, mean_dy_xhat = (reductions / count).chunk(2)
     if clip:
         mean_dy_xhat = torch.where(var == 0.0, 0.0, mean_dy_xhat)
@@ -348,9 +343,8 @@ def scaled_grad_and_reductions(
     from one pass over ``dy`` and ``x`` (the DataParallel path's ``_Normalize`` backward). Returns
     ``(scaled, reductions, scale)``."""
     reductions = grad_reductions(dy, x, mean, var, ones, eps)
-    invstd = torch.rsqrt(var.to(_F64) + eps)
     dtype = _stat_dtype(x)
-    scale = (invstd if weight is None else invstd * weight.to(_F64)).to(dtype)
+    scale = invstd_and_scale(var.to(_F64), eps, weight)[1].to(dtype)
     return (dy.to(dtype) * scale.view(_channel_shape(x))).to(dy.dtype), reductions, scale
 
 

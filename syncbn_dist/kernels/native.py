@@ -14,12 +14,100 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..layer.statistics import LEAN_MIN_NUMEL, _lean_regime
+from .statistics import COMBINE_DTYPE, invstd_and_scale, payload_of
+from .tracing import is_compiling
 
 # CPU's batch-norm backward, which takes "running" statistics in inference mode (eval: no batch statistics): the
 # overload's C++ callable where torch exposes it (what OpOverload.__call__ calls, without its Python frame).
 _overload = torch.ops.aten.native_batch_norm_backward.default
 _NATIVE_BATCH_NORM_BACKWARD = getattr(_overload, "_op", _overload)
+
+
+# Eager CPU float32/float64 activations of at least this many elements (1 MiB of float32) take the memory-lean
+# path (44 B/elem on contiguous NCHW float32 at 42 ops per layer, 56 B/elem at 34 ops elsewhere) and the rest the
+# op-lean path (68 B/elem, 27 ops): latency, not bandwidth, bounds a small layer. The measured crossover (1 thread,
+# both paths interleaved in one process, other work on the machine): lean / op-lean time 1.07 at 100,352 elements,
+# 0.82 at 200,704, 0.89-0.90 from 401,408 to 1,605,632 (contiguous NCHW, C = 64). See docs/design.md.
+LEAN_MIN_NUMEL = 1 << 18
+
+
+def local_payload(input: Tensor) -> Tensor:
+    """The ``[sum (C), sum of squares (C), count]`` of one shard, as a (2C + 1,) float64 tensor.
+
+    Computed as ``count * [mean, var + mean**2, 1]`` from the native statistics kernel
+    (``torch.batch_norm_update_stats``; ``torch.var_mean`` inside a ``torch.compile`` graph) on a float64 copy
+    of ``input``: the mean and the biased variance come out in float64 for every layout and dtype, so the
+    payload is exact to float64 rounding. Contiguous float32 (N, C, *spatial) inputs in the memory-lean regime
+    skip the copy (:func:`_copy_free_payload`, as exact).
+
+    Args:
+        input: (N, C, *) floating tensor, any memory format; N may be 0.
+
+    Returns:
+        (2C + 1,) float64 tensor on the input's device; zeros for an empty shard.
+    """
+    return _local_payload(input, is_compiling())
+
+
+def _local_payload(input: Tensor, compiling: bool) -> Tensor:
+    """:func:`local_payload`, ``compiling`` being the caller's :func:`is_compiling`."""
+    num_features = input.size(1)
+    count = input.numel() // num_features if num_features else 0
+    if count == 0:
+        # Zeros made from the input, not a constant: under torch.compile two constant payloads of equal size would
+        # be merged into one collective (common-subexpression elimination), leaving this rank a collective short.
+        return input.new_zeros(2 * num_features + 1, dtype=COMBINE_DTYPE)
+    if not compiling:
+        return _eager_payload(input, count)
+    # batch_norm_update_stats has no fake-tensor kernel for dynamic shapes; var_mean traces everywhere.
+    var, mean = torch.var_mean(input.to(COMBINE_DTYPE), [0, *range(2, input.dim())], correction=0)
+    return payload_of(mean, var, count)
+
+
+def _eager_payload(input: Tensor, count: int) -> Tensor:
+    """:func:`local_payload` of a non-empty shard in eager mode (``count`` values per channel): six ops on the
+    op-lean path (the float64 copy, its statistics, and :func:`_payload_of`'s four, written out here)."""
+    if _lean_regime(input) and input.dtype == torch.float32 and input.is_contiguous() and input.dim() > 2:
+        return _copy_free_payload(input, count)
+    mean, var = torch.batch_norm_update_stats(input.to(COMBINE_DTYPE), None, None, 0.0)
+    return torch.constant_pad_nd(torch.cat([mean, torch.addcmul(var, mean, mean)]), (0, 1), 1.0).mul_(count)
+
+
+def _lean_regime(input: Tensor) -> bool:
+    """Whether the layer takes the memory-lean path: eager CPU float32/float64 activations of at least
+    ``LEAN_MIN_NUMEL`` elements.
+
+    ``torch.compile`` graphs keep the op-lean path, so that the compiled graph does not depend on the size. float16
+    and bfloat16 keep it too: the lean ``grad_input``'s ``addcmul_`` with a float32 scale made their layer slower
+    (measured 1.25x contiguous, 1.65x channels_last at (32, 64, 28, 28) bfloat16).
+    """
+    return (  # the cheapest test first: this runs on every eager call
+        input.numel() >= LEAN_MIN_NUMEL
+        and not input.is_cuda
+        and input.dtype not in (torch.float16, torch.bfloat16)
+        and not is_compiling()
+    )
+
+
+def _copy_free_payload(input: Tensor, count: int) -> Tensor:
+    """:func:`local_payload` of a contiguous float32 CPU (N, C, *spatial) shard without a float64 copy.
+
+    ``torch.batch_norm_update_stats`` gives the float32 mean ``m`` and the variance ``v`` about ``m`` (accumulated
+    in double on this layout); the eval-mode ``native_batch_norm_backward`` with an expanded ones as ``dy`` gives
+    ``D = sum(x - m)`` (float32 products accumulated in double: exact for the float32 differences). In float64,
+    ``S = n m + D`` and ``sum(x**2) = sum((x - m)**2) + 2 m D + n m**2 = n v + m (S + D)``, so the variance about
+    the exact mean is not lost to the rounding of ``m`` (the combination is Chan et al. 1979, as sums).
+    """
+    mean, var = torch.batch_norm_update_stats(input, None, None, 0.0)
+    one = input.new_ones(())
+    _, offset, _ = torch.ops.aten.native_batch_norm_backward(
+        one.expand(input.shape), input, None, mean, one.expand(input.size(1)), None, None, False, 0.0,
+        [False, True, False],
+    )
+    mean = mean.to(COMBINE_DTYPE)
+    sums = torch.add(offset.to(COMBINE_DTYPE), mean, alpha=count)
+    squares = torch.addcmul(var.to(COMBINE_DTYPE) * count, mean, sums + offset)
+    return torch.constant_pad_nd(torch.cat([sums, squares]), (0, 1), float(count))
 
 
 def _like_input(grad_output: Tensor, input: Tensor) -> Tensor:
@@ -138,9 +226,7 @@ def _grad_input(
         mean_dy_xhat = mean_dy_xhat.masked_fill(clipped, 0.0)
     if input.numel() >= LEAN_MIN_NUMEL and _lean_regime(input):  # (the first test is _lean_regime's own, inline)
         # dy * scale - scale * (mean_dy + x_hat * mean_dy_xhat): one inference batch norm and one addcmul_.
-        scale = torch.rsqrt(var + eps)
-        if weight is not None:
-            scale = scale * weight.to(mean.dtype)
+        _, scale = invstd_and_scale(var, eps, weight)
         correction = _batch_norm_inference(input, mean_dy_xhat * -scale, mean_dy * -scale, mean, var, eps)
         return correction.addcmul_(grad_output, scale.view([1, -1] + [1] * (input.dim() - 2)))
     # The non-empty input's inference batch norm, called directly.

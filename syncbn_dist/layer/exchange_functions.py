@@ -20,9 +20,17 @@ from torch.autograd import Function
 from ..comm.transport import Transport
 from ..kernels import compiled as kernels
 from ..kernels.compiled import _channel_shape, _reduced_dims, _stat_dtype
-from ..kernels.native import _as_stat, _batch_norm_inference, _like_input, _normalizing_var, _scaled_grad_and_reductions
+from ..kernels.native import (
+    _as_stat,
+    _batch_norm_inference,
+    _like_input,
+    _normalizing_var,
+    _scaled_grad_and_reductions,
+    local_payload,
+)
+from ..kernels.statistics import COMBINE_DTYPE, invstd_and_scale, moments_of_total
 from ..kernels.tracing import _forward_ad_active, _functorch_wrapped, is_compiling
-from .statistics import _COMBINE_DTYPE, _checked_count, _global_statistics_as, local_payload
+from .statistics import _checked_count, _global_statistics_as
 
 __all__: list[str] = []
 
@@ -88,8 +96,8 @@ class _LocalPayload(Function):
             return None, None
         (input,) = ctx.saved_tensors
         dims = _reduced_dims(input)
-        tangent = input_tangent.to(_COMBINE_DTYPE)
-        sums = torch.cat([tangent.sum(dims), 2.0 * (input.to(_COMBINE_DTYPE) * tangent).sum(dims)])
+        tangent = input_tangent.to(COMBINE_DTYPE)
+        sums = torch.cat([tangent.sum(dims), 2.0 * (input.to(COMBINE_DTYPE) * tangent).sum(dims)])
         return F.pad(sums, (0, 1)), input_tangent.view_as(input_tangent)
 
     @staticmethod
@@ -98,7 +106,7 @@ class _LocalPayload(Function):
         grad_sum, grad_sumsq, _ = grad_payload.split([input.size(1), input.size(1), 1])
         shape = _channel_shape(input)
         if torch.is_grad_enabled():  # backward(create_graph=True): the same product, in recorded ops
-            through_payload = grad_sum.view(shape) + 2.0 * input.to(_COMBINE_DTYPE) * grad_sumsq.view(shape)
+            through_payload = grad_sum.view(shape) + 2.0 * input.to(COMBINE_DTYPE) * grad_sumsq.view(shape)
             return grad_alias + through_payload.to(grad_alias.dtype), None
         if input.numel() == 0:
             return grad_alias, None
@@ -108,8 +116,8 @@ class _LocalPayload(Function):
             grad_alias = _like_input(grad_alias, input)
             return kernels.grad_through_payload(grad_alias, input, grad_sum, grad_sumsq, mean), None
         # (x - mean) * rsqrt(var + eps) * W + B with W = 2 g_sumsq sqrt(var + eps) and B = g_sum + 2 mean g_sumsq.
-        weight = (2.0 * grad_sumsq * torch.sqrt(var.to(_COMBINE_DTYPE) + link.eps)).to(mean.dtype)
-        bias = torch.addcmul(grad_sum, mean.to(_COMBINE_DTYPE), grad_sumsq, value=2.0).to(mean.dtype)
+        weight = (2.0 * grad_sumsq * torch.sqrt(var.to(COMBINE_DTYPE) + link.eps)).to(mean.dtype)
+        bias = torch.addcmul(grad_sum, mean.to(COMBINE_DTYPE), grad_sumsq, value=2.0).to(mean.dtype)
         return _batch_norm_inference(input, weight, bias, mean, var, link.eps).add_(grad_alias), None
 
 
@@ -159,15 +167,14 @@ class _Normalize(Function):
         """``dx * weight * invstd + x_hat * (dw + weight * dinvstd / invstd) + db - weight * invstd * dmean``, with
         ``dmean = dS / N`` and ``dvar = dQ / N - 2 mean dmean`` from the payload's tangent (the exchange summed it)."""
         input, weight, total, mean, var = ctx.saved_tensors
-        invstd = torch.rsqrt(var.to(_COMBINE_DTYPE) + ctx.eps)
-        scale = invstd if weight is None else invstd * weight.to(_COMBINE_DTYPE)
-        coefficient = torch.zeros_like(invstd) if weight_tangent is None else weight_tangent.to(_COMBINE_DTYPE)
-        shift = torch.zeros_like(invstd) if bias_tangent is None else bias_tangent.to(_COMBINE_DTYPE)
+        invstd, scale = invstd_and_scale(var.to(COMBINE_DTYPE), ctx.eps, weight)
+        coefficient = torch.zeros_like(invstd) if weight_tangent is None else weight_tangent.to(COMBINE_DTYPE)
+        shift = torch.zeros_like(invstd) if bias_tangent is None else bias_tangent.to(COMBINE_DTYPE)
         if total_tangent is not None:
             num_features = input.size(1)
             sums, squares, _ = (total_tangent / total[-1:]).split([num_features, num_features, 1])
             mean_tangent = sums
-            var_tangent = torch.addcmul(squares, mean.to(_COMBINE_DTYPE), sums, value=-2.0)
+            var_tangent = torch.addcmul(squares, mean.to(COMBINE_DTYPE), sums, value=-2.0)
             if ctx.clipped is not None:
                 var_tangent = var_tangent.masked_fill(ctx.clipped, 0.0)
             coefficient = coefficient - 0.5 * scale * invstd * var_tangent
@@ -193,14 +200,13 @@ class _Normalize(Function):
         grad_total = None
         if ctx.needs_input_grad[3]:
             # dL/dmean = -weight invstd sum(dy); dL/dvar = -weight invstd**2 sum(dy x_hat) / 2 (0 where clipped).
-            invstd = torch.rsqrt(var.to(_COMBINE_DTYPE) + eps)
-            scale = invstd if weight is None else invstd * weight.to(_COMBINE_DTYPE)
-            grad_mean = -scale * sum_dy.to(_COMBINE_DTYPE)
-            grad_var = (-0.5 * scale * invstd) * sum_dy_xhat.to(_COMBINE_DTYPE)
+            invstd, scale = invstd_and_scale(var.to(COMBINE_DTYPE), eps, weight)
+            grad_mean = -scale * sum_dy.to(COMBINE_DTYPE)
+            grad_var = (-0.5 * scale * invstd) * sum_dy_xhat.to(COMBINE_DTYPE)
             if ctx.clipped is not None:  # a clipped channel normalizes by eps, whatever its variance
                 grad_var = grad_var.masked_fill(ctx.clipped, 0.0)
             count = total[-1:]
-            grad_sum = torch.addcmul(grad_mean, mean.to(_COMBINE_DTYPE), grad_var, value=-2.0) / count
+            grad_sum = torch.addcmul(grad_mean, mean.to(COMBINE_DTYPE), grad_var, value=-2.0) / count
             grad_total = F.pad(torch.cat([grad_sum, grad_var / count]), (0, 1))
         return scaled, grad_weight, grad_bias, grad_total, None, None, None, None
 
@@ -214,21 +220,18 @@ def _recorded_normalize_backward(ctx: Any, grad_output: Tensor) -> list[Optional
     """
     input, weight, bias, total, mean, var = ctx.saved_tensors
     with torch.enable_grad():
-        num_features = input.size(1)
-        sums, squares, count = total.split([num_features, num_features, 1])
-        batch_mean = sums / count
-        var_change = squares / count - batch_mean.square()
+        batch_mean, var_change, _, _, _ = moments_of_total(total)
         var_change = var_change - var_change.detach()
         if ctx.clipped is not None:
             var_change = var_change.masked_fill(ctx.clipped, 0.0)
-        exact_mean = mean.to(_COMBINE_DTYPE) + (batch_mean - batch_mean.detach())
-        invstd = torch.rsqrt(var.to(_COMBINE_DTYPE) + var_change + ctx.eps)
+        exact_mean = mean.to(COMBINE_DTYPE) + (batch_mean - batch_mean.detach())
+        invstd = torch.rsqrt(var.to(COMBINE_DTYPE) + var_change + ctx.eps)
         shape = _channel_shape(input)
-        output = (input.to(_COMBINE_DTYPE) - exact_mean.view(shape)) * invstd.view(shape)
+        output = (input.to(COMBINE_DTYPE) - exact_mean.view(shape)) * invstd.view(shape)
         if weight is not None:
-            output = output * weight.to(_COMBINE_DTYPE).view(shape)
+            output = output * weight.to(COMBINE_DTYPE).view(shape)
         if bias is not None:
-            output = output + bias.to(_COMBINE_DTYPE).view(shape)
+            output = output + bias.to(COMBINE_DTYPE).view(shape)
         candidates = (input, weight, bias, total)
         wrt = [t for t, need in zip(candidates, ctx.needs_input_grad[:4]) if need]
         found = iter(torch.autograd.grad(output, wrt, grad_output.to(output.dtype), create_graph=True))

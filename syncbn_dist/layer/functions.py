@@ -36,25 +36,26 @@ from ..comm.transport import UNREACHABLE, Transport
 from ..kernels import compiled as kernels
 from ..kernels.compiled import _channel_shape, _reduced_dims, _stat_dtype
 from ..kernels.native import (
+    LEAN_MIN_NUMEL,
     _as_stat,
     _batch_norm_inference,
     _grad_input,
     _like_input,
+    _local_payload,
     _local_reductions,
     _normalizing_var,
+    local_payload,
 )
+from ..kernels.statistics import COMBINE_DTYPE, moments_of_total
 from ..kernels.tracing import _forward_ad_active, _forward_ad_level_active, _is_functorch_wrapped, is_compiling
 from .exchange_functions import _sync_batch_norm_differentiable
 from .statistics import (
-    _COMBINE_DTYPE,
-    LEAN_MIN_NUMEL,
     _checked_count,
     _global_statistics_as,
-    _local_payload,
     combine_moments,
     global_statistics,
     local_moments,
-    local_payload,
+    update_running_stats,
 )
 
 __all__ = [
@@ -199,7 +200,7 @@ class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
         if input_tangent is not None:
             input_tangent = _like_input(input_tangent, input)
             sums = _local_reductions(input_tangent, input, None, mean, var, ctx.eps)
-            reductions = ctx.transport.sum_(torch.cat(sums).to(_COMBINE_DTYPE))
+            reductions = ctx.transport.sum_(torch.cat(sums).to(COMBINE_DTYPE))
             tangent = _grad_input(input_tangent, input, weight, mean, var, count, reductions, ctx.eps, ctx.clipped)
         if weight_tangent is not None or bias_tangent is not None:
             affine = _batch_norm_inference(
@@ -245,29 +246,13 @@ def _differentiable_normalize(
     variance carries no cancellation, and the result does not depend on the shift.
     """
     shape = _channel_shape(input)
-    centred = input.to(_COMBINE_DTYPE) - shift.to(_COMBINE_DTYPE).view(shape)
+    centred = input.to(COMBINE_DTYPE) - shift.to(COMBINE_DTYPE).view(shape)
     dims = _reduced_dims(input)
     (total,) = transport.all_reduce([torch.cat([centred.sum(dims), centred.square().sum(dims)])])
-    offset, second = (total / count).chunk(2)
-    var = _normalizing_var(second - offset.square(), eps, eps_mode)
+    offset, var, _, _, _ = moments_of_total(torch.cat([total, count]))
+    var = _normalizing_var(var, eps, eps_mode)
     output = (centred - offset.view(shape)) * torch.rsqrt(var + eps).view(shape)
-    return output if weight is None else output * weight.to(_COMBINE_DTYPE).view(shape)
-
-
-def _update_running_stats(
-    running_mean: Tensor, running_var: Tensor, mean: Tensor, unbiased_var: Tensor, momentum: Union[float, Tensor]
-) -> None:
-    """``running = (1 - momentum) * running + momentum * batch`` for both buffers, as nn.BatchNorm does.
-
-    ``momentum`` is a 0-dim tensor for a cumulative average under ``torch.compile`` (see SyncBatchNorm).
-    """
-    if mean.dtype != running_mean.dtype:  # e.g. float16 buffers of a .half() model: statistics are float32
-        mean, unbiased_var = mean.to(running_mean.dtype), unbiased_var.to(running_var.dtype)
-    if isinstance(momentum, Tensor):
-        running_mean.lerp_(mean, momentum)
-        running_var.lerp_(unbiased_var, momentum)
-    else:
-        torch._foreach_lerp_([running_mean, running_var], [mean, unbiased_var], momentum)
+    return output if weight is None else output * weight.to(COMBINE_DTYPE).view(shape)
 
 
 def sync_batch_norm(
@@ -347,5 +332,5 @@ def _sync_batch_norm(
                 unbiased_var = torch.where(empty, running_var, unbiased_var)
             elif mean.numel() and bool(mean[0].isnan()):
                 return output
-        _update_running_stats(running_mean, running_var, mean, unbiased_var, momentum)
+        update_running_stats(running_mean, running_var, mean, unbiased_var, momentum)
     return output

@@ -1,0 +1,61 @@
+"""The statistics of a summed payload: the one derivation of the global mean and variances, for every path.
+
+One synchronized layer's forward sums ``[sum(x) (C), sum(x**2) (C), count]`` of every member's shard (the payload,
+float64) and forms the global mean and variances from the total: the parallel-variance combination of Chan, Golub &
+LeVeque (1979), expressed as sums of exact per-shard moments. :func:`moments_of_total` is that derivation; the native
+kernels, the compiled source (and so a user's ``torch.compile`` graph), the DataParallel Functions, the recorded
+double backward and a joined rank's running statistics all take their statistics from it, and
+:func:`invstd_and_scale` turns a variance into the per-channel factors of the normalization.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["COMBINE_DTYPE", "invstd_and_scale", "moments_of_total", "payload_of"]
+
+# Statistics are combined in float64: the sum of squares of data with |mean|/std = 1e4 carries 1e8 times more
+# magnitude than the variance, which float32 cannot resolve (E[x^2] - E[x]^2 cancels catastrophically).
+COMBINE_DTYPE = torch.float64
+
+
+def moments_of_total(total: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The global statistics of a summed payload, in float64.
+
+    ``M2 = sum(x**2) - sum(x) * mean`` combines the members' exact sums about the global mean (Chan et al. 1979).
+    Five ops in eager mode (the split, the mean, M2, one ``_foreach_div`` for both variances and the ``count - 1``
+    it divides by).
+
+    Args:
+        total: (2C + 1,) float64, the payloads ``[sum (C), sum of squares (C), count]`` summed over the members (or
+            any such triple: the double backward's sums about a shift).
+
+    Returns:
+        ``(mean, var, unbiased_var, count, empty)``: the mean and the biased and unbiased variances, (C,); the (1,)
+        count (a view of ``total``); and an empty float64 view of ``total``, free to make (a fourth piece of the
+        split), with which a ``torch.cat`` promotes to float64. A count of 0 gives NaNs, of 1 an infinite unbiased
+        variance: the callers check the count.
+    """
+    num_features = total.numel() // 2
+    sums, squares, count, empty = total.split_with_sizes([num_features, num_features, 1, 0])
+    mean = sums / count
+    m2 = torch.addcmul(squares, sums, mean, value=-1.0)
+    var, unbiased_var = torch._foreach_div([m2, m2], [count, count - 1.0])
+    return mean, var, unbiased_var, count, empty
+
+
+def invstd_and_scale(var: Tensor, eps: float, weight: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``invstd = rsqrt(var + eps)`` and ``scale = weight * invstd`` (``invstd`` itself without a weight), per channel,
+    in ``var``'s dtype: what the normalization multiplies ``x - mean`` by."""
+    invstd = torch.rsqrt(var + eps)
+    return invstd, invstd if weight is None else invstd * weight.to(var.dtype)
+
+
+def payload_of(mean: Tensor, var: Tensor, count: int) -> Tensor:
+    """``count * [mean, var + mean**2, 1]`` from a shard's float64 mean and biased variance, in four ops: the 1 is
+    padded in as a value, not a constant tensor of its own (``count`` may be symbolic in a graph)."""
+    moments = torch.cat([mean, torch.addcmul(var, mean, mean)])
+    return torch.constant_pad_nd(moments, (0, 1), 1.0).mul_(count)
