@@ -2,7 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .comm import LayerMismatchError, ReplicaSyncError, is_debug_enabled, new_sync_groups, set_debug
+from .comm import LayerMismatchError, ReplicaSyncError, new_sync_groups
 from .integrations.convert import convert_model, revert_model
 from .integrations.data_parallel import (
     DataParallelWithCallback,
@@ -17,15 +17,14 @@ from .integrations.torch_patch import (
     patch_torch_sync_batchnorm,
     unpatch_torch_sync_batchnorm,
 )
-from .kernels.compiled import get_kernels, set_kernels
 from .layer.batchnorm import (
     SyncBatchNorm,
     SynchronizedBatchNorm1d,
     SynchronizedBatchNorm2d,
     SynchronizedBatchNorm3d,
     patch_sync_batchnorm,
-    set_sbn_eps_mode,
 )
+from .settings import get_kernels, is_debug_enabled, set_debug, set_kernels, set_sbn_eps_mode
 
 try:
     # The installed distribution's version (pyproject.toml's, through the wheel's or the editable install's metadata).

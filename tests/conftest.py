@@ -13,7 +13,7 @@ import torch
 
 from launch.common.spawn import pooled_job_cpu_s, pooled_worlds
 from launch.common.worlds import cpu_seconds
-from syncbn_dist.kernels.compiled import KERNELS_ENV
+from syncbn_dist.settings import KERNELS_ENV
 
 # The suite runs the native kernels unless a test asks for the compiled ones (the ``kernel_mode`` fixture): every
 # process that compiles pays inductor's start-up, seconds on two cores, and every gloo rank is a process. Set in the

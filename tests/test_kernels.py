@@ -37,6 +37,7 @@ from syncbn_dist import (
     convert_model,
     get_kernels,
     set_kernels,
+    settings,
 )
 from syncbn_dist.kernels import compiled as kernels
 
@@ -46,7 +47,7 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 @pytest.fixture
 def fresh_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """New compiled-kernel objects (nothing compiled yet in this process) and the mode taken from the environment."""
-    monkeypatch.setattr(kernels, "_mode", None)
+    monkeypatch.setattr(settings, "_mode", None)
     fresh = []
     for name, kernel in vars(kernels).copy().items():
         if isinstance(kernel, kernels._CompiledKernel):

@@ -28,7 +28,7 @@ from launch.common import spawn
 from launch.common.spawn import pooled_worlds, run_distributed
 from syncbn_dist.comm import agreement
 from syncbn_dist.kernels import compiled as kernels
-from syncbn_dist.kernels.compiled import KERNELS_ENV
+from syncbn_dist.settings import KERNELS_ENV
 
 PROBE_ENV = "SYNCBN_DIST_WORLDS_PROBE"
 HAS_CXX = any(shutil.which(cc) for cc in ("g++", "c++"))
@@ -78,7 +78,7 @@ def _state(rank: int, world_size: int) -> dict[str, Any]:
         "graphs": [kernel.graphs() for kernel in kernels.COMPILED_KERNELS],
         "debug": syncbn_dist.is_debug_enabled(),
         "debug_calls": len(agreement._DEBUG_CALLS),
-        "eps_mode": syncbn_dist.layer.batchnorm._EPS_MODE,
+        "eps_mode": syncbn_dist.settings._EPS_MODE,
         "patched": syncbn_dist.is_torch_sync_batchnorm_patched(),
         "dtype": str(torch.get_default_dtype()),
         "grad": torch.is_grad_enabled(),

@@ -61,7 +61,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.multiprocessing as mp
 
-from syncbn_dist.kernels.compiled import KERNELS_ENV
+from syncbn_dist.settings import KERNELS_ENV
 
 from .rank_jobs import job_results, run_on_group
 

@@ -12,7 +12,8 @@ A transport sums a list of tensors over the members of a group with one collecti
 
 from __future__ import annotations
 
-from .agreement import LayerMismatchError, is_debug_enabled, set_debug
+from ..settings import DEFAULT_REPLICA_TIMEOUT, is_debug_enabled, set_debug
+from .agreement import LayerMismatchError
 from .distributed import (
     DistributedTransport,
     all_reduce_mean_,
@@ -22,7 +23,6 @@ from .distributed import (
     new_sync_groups,
 )
 from .replica import (
-    DEFAULT_REPLICA_TIMEOUT,
     DataParallelTransport,
     FutureResult,
     ReplicaSyncError,

@@ -11,9 +11,9 @@ When a layer checks (:class:`LayerAgreement`):
 - by default, the first forward and the first backward of each layer on each process group: a rank that runs another
   layer than its peers is caught where the ranks first part, if that is at such a first call (the usual case: a
   layer only some ranks run is new to them);
-- in debug mode (:func:`set_debug`, ``SYNCBN_DEBUG=1``), before every collective, forward, backward and checkpoint
-  recomputation, with the group's call number, so that a rank that skips, adds or reorders a layer later is caught
-  too.
+- in debug mode (:func:`syncbn_dist.set_debug`, ``SYNCBN_DEBUG=1``), before every collective, forward, backward and
+  checkpoint recomputation, with the group's call number, so that a rank that skips, adds or reorders a layer later is
+  caught too.
 
 Under ``torch.compile`` the first forward's check runs while Dynamo traces the layer, before the graph runs any
 collective; a compiled graph cannot check its backward, so tracing a layer counts for both directions. A rank that
@@ -24,7 +24,6 @@ raises, instead of hanging at the second.
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any, Optional, Sequence
 
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import settings
 from .distributed import _AllReduceCoalesced, all_gather_bytes
 
 __all__ = [
@@ -40,35 +40,14 @@ __all__ = [
     "LayerMismatchError",
     "agreement_of",
     "collective_key",
-    "is_debug_enabled",
-    "set_debug",
     "verify_while_tracing",
 ]
 
-_DEBUG = os.environ.get("SYNCBN_DEBUG", "0").strip().lower() not in ("", "0", "false", "no", "off")
 # Debug-mode call numbers: this process's checked collectives on each process group (forgotten with the group).
 _DEBUG_CALLS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 # Bytes per rank of the gathered record, and its field separator.
 _RECORD_BYTES = 256
 _SEPARATOR = "\x1f"
-
-
-def set_debug(enabled: bool) -> None:
-    """Turn debug mode on or off for this process (also on with the environment variable ``SYNCBN_DEBUG=1``).
-
-    In debug mode every synchronized collective, forward and backward, is preceded by one small ``all_gather`` that
-    checks that all members are at the same collective (call number, layer name, num_features, dtype, direction); on
-    a mismatch every member raises :class:`LayerMismatchError` naming each rank's layer, instead of hanging or mixing
-    statistics. Off by default: then each layer checks its first forward and first backward only, and costs nothing
-    after them.
-    """
-    global _DEBUG
-    _DEBUG = bool(enabled)
-
-
-def is_debug_enabled() -> bool:
-    """Whether debug mode is on (see :func:`set_debug`)."""
-    return _DEBUG
 
 
 class LayerMismatchError(ValueError):
@@ -100,7 +79,7 @@ class LayerAgreement:
 
     def is_verified(self, group: Optional[Any], key: str) -> bool:
         """Whether a collective with ``key`` on ``group`` needs no check (never in debug mode)."""
-        return not _DEBUG and key in self._verified.get(_world_if_none(group), ())
+        return not settings._DEBUG and key in self._verified.get(_world_if_none(group), ())
 
     def verify(
         self, group: Optional[Any], key: str, description: str, *, traced: bool = False, error: Optional[str] = None
@@ -126,7 +105,7 @@ class LayerAgreement:
         how = "traced by torch.compile" if traced else "eager"
         compared = f"{key}, {how}" if error is None else f"bad input: {error}"
         display = f"{description}: {compared}"
-        if _DEBUG:
+        if settings._DEBUG:
             # The call number catches a member that skipped or added a collective; the name, one that reordered.
             call = _DEBUG_CALLS.get(group, 0) + 1
             _DEBUG_CALLS[group] = call
@@ -135,7 +114,7 @@ class LayerAgreement:
         gathered = all_gather_bytes(f"{compared}{_SEPARATOR}{display}".encode(), group, size=_RECORD_BYTES)
         records = [record.decode("utf-8", "replace").split(_SEPARATOR, 1) for record in gathered]
         if any(record[0] != records[0][0] for record in records):
-            hint = "" if _DEBUG else " (set SYNCBN_DEBUG=1 to check every call)"
+            hint = "" if settings._DEBUG else " (set SYNCBN_DEBUG=1 to check every call)"
             raise LayerMismatchError(
                 "synchronized BatchNorm layers disagree across the members of the process group" + hint + ":\n"
                 + _describe_disagreement(records, group) + _advice(records)

@@ -8,7 +8,6 @@ design; :class:`DataParallelTransport` sums over the replicas and, on the master
 from __future__ import annotations
 
 import functools
-import os
 import queue
 import threading
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -16,10 +15,10 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..settings import DEFAULT_REPLICA_TIMEOUT
 from .distributed import DistributedTransport
 
 __all__ = [
-    "DEFAULT_REPLICA_TIMEOUT",
     "install_placeholder_cuda_guard",
     "run_replicas_in_threads",
     "DataParallelTransport",
@@ -32,8 +31,6 @@ __all__ = [
     "sum_replica_messages",
 ]
 
-# How long a replica waits for the others at one synchronized layer before giving up (seconds).
-DEFAULT_REPLICA_TIMEOUT = float(os.environ.get("SYNCBN_REPLICA_TIMEOUT", "300"))
 
 class ReplicaSyncError(RuntimeError):
     """A replica could not complete a synchronized layer: a peer failed, or did not arrive in time."""

@@ -24,12 +24,13 @@ import runpy
 import sys
 from typing import Optional, Sequence
 
+from ..settings import PATCH_TORCH_ENV
 from .torch_patch import patch_torch_sync_batchnorm
 
 __all__ = ["ENV_VAR", "main"]
 
 # Set to "1" for the target and every process it starts: the start-up hook patches where it is "1".
-ENV_VAR = "SYNCBN_PATCH_TORCH"
+ENV_VAR = PATCH_TORCH_ENV
 _BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
 _USAGE = "usage: python -m syncbn_dist.run (SCRIPT | -m MODULE) [ARGS...]"
 

@@ -36,72 +36,22 @@ native kernels do.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..comm.distributed import all_reduce_sum
+from ..settings import KERNELS_ENV, get_kernels
 from .compiled_kernel import _CompiledKernel
 from .statistics import invstd_and_scale, moments_of_total
 from .tracing import is_compiling
 
-__all__ = ["KERNEL_MODES", "get_kernels", "set_kernels"]
+__all__ = ["COMPILED_KERNELS", "layer_backward", "layer_forward", "use_compiled"]
 
-KERNEL_MODES = ("auto", "compiled", "native")
-KERNELS_ENV = "SYNCBN_DIST_KERNELS"
-# Native: nothing compiles on a job's critical path. Compiling in the background while the first calls run natively
-# is not safe in torch 2.13 (docs/compile.md, "The default kernels"), so the compiled kernels are opt-in.
-DEFAULT_KERNELS = "native"
 _F64 = torch.float64
-
-_mode: Optional[str] = None
-
-
-def set_kernels(mode: str) -> None:
-    """Choose the kernels of every synchronized layer's eager training forward and backward, process-wide.
-
-    ``"native"`` (the default) is the native-op path (torch's batch-norm kernels and a float64 copy of the activation
-    for the statistics), which compiles nothing; ``"compiled"`` uses this module's kernels, compiled by
-    ``torch.compile`` with inductor on first use (dynamic shapes: one graph per direction for each dtype and memory
-    format, shared by every layer, rank and batch size), on the first call's critical path; ``"auto"`` uses the
-    compiled kernels for CPU tensors where inductor finds a C++ compiler (else native, with one warning naming why)
-    and the native ones for CUDA tensors, which compile nothing and measured about as fast there (a GPU layer is
-    bound by per-call host work; docs/performance_cuda.md). On CPU the compiled kernels make a long job's steps
-    faster; a short job is faster on the native ones (docs/compile.md, "The default kernels"). Overrides
-    ``SYNCBN_DIST_KERNELS``. In forward-mode AD, in ``backward(create_graph=True)``, under a ``TorchDispatchMode``
-    and for shards of at most one value per channel the native ops run whatever the mode; under a user's
-    ``torch.compile`` the layer traces this module's source whatever the mode. Both kernel sets give the
-    global-batch result and send the same collectives, so members may differ in mode.
-
-    Args:
-        mode: ``"auto"``, ``"compiled"`` or ``"native"``.
-
-    Raises:
-        ValueError: for any other mode.
-    """
-    global _mode
-    _mode = _checked_mode(mode, "set_kernels")
-
-
-def get_kernels() -> str:
-    """The mode in force: the last :func:`set_kernels`, else ``SYNCBN_DIST_KERNELS``, else ``"native"``.
-
-    Raises:
-        ValueError: if ``SYNCBN_DIST_KERNELS`` holds an unknown mode.
-    """
-    if _mode is not None:
-        return _mode
-    return _checked_mode(os.environ.get(KERNELS_ENV, DEFAULT_KERNELS), KERNELS_ENV)
-
-
-def _checked_mode(mode: Any, source: str) -> str:
-    if mode not in KERNEL_MODES:
-        raise ValueError(f"{source}: expected one of {', '.join(map(repr, KERNEL_MODES))}, got {mode!r}")
-    return mode
 
 
 def use_compiled(input: Tensor) -> bool:

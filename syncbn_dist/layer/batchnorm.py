@@ -11,17 +11,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .. import settings
 from ..comm import (
-    DEFAULT_REPLICA_TIMEOUT,
     DataParallelTransport,
     LayerMismatchError,
     SlavePipe,
     SyncMaster,
     distributed_transport,
-    is_debug_enabled,
     new_sync_master,
 )
-from ..comm import agreement as agreement_module
 from ..comm.agreement import CheckedTransport, LayerAgreement, agreement_of, collective_key, verify_while_tracing
 from ..comm.distributed import cached_distributed_transport
 from ..comm.join_session import JoinBinding, JoinTransport
@@ -35,40 +33,7 @@ __all__ = [
     "SynchronizedBatchNorm2d",
     "SynchronizedBatchNorm3d",
     "patch_sync_batchnorm",
-    "set_sbn_eps_mode",
 ]
-
-# The process-wide default of SyncBatchNorm.eps_mode; see set_sbn_eps_mode.
-_EPS_MODE = "plus"
-# The classic library spells "clip" as "clamp".
-_EPS_MODE_ALIASES = {"plus": "plus", "clip": "clip", "clamp": "clip"}
-
-
-def set_sbn_eps_mode(mode: str) -> None:
-    """Set how every SyncBatchNorm without its own ``eps_mode`` applies ``eps`` to the batch variance in training.
-
-    The classic Synchronized-BatchNorm-PyTorch API, with the same global scope. ``"plus"`` (the default)
-    normalizes by ``sqrt(var + eps)``, as ``nn.BatchNorm`` does; ``"clip"`` (spelled ``"clamp"`` in the classic
-    library, whose default it is) by ``sqrt(max(var, eps))``, for reproducing models trained with it. Unlike the
-    classic library, "clip" applies to every training forward, synchronized or not, so a model gives the same
-    result on one replica as on many. Eval mode always uses ``running_var + eps``, as both libraries do.
-    A layer's own ``eps_mode`` attribute, when not None, overrides this default.
-
-    Args:
-        mode: ``"plus"``, ``"clip"`` or ``"clamp"`` (= ``"clip"``).
-
-    Raises:
-        ValueError: for any other mode.
-    """
-    global _EPS_MODE
-    _EPS_MODE = _resolve_eps_mode(mode)
-
-
-def _resolve_eps_mode(mode: str) -> str:
-    if mode not in _EPS_MODE_ALIASES:
-        raise ValueError(f"expected eps mode 'plus', 'clip' or 'clamp' (got {mode!r})")
-    return _EPS_MODE_ALIASES[mode]
-
 
 class _SoloTransport:
     """The transport of a group of one: the sum over the members is the tensor itself (no communication)."""
@@ -155,7 +120,7 @@ class SyncBatchNorm(_BatchNorm):
     # unpickled from older versions have it too).
     _join_binding: Optional[JoinBinding] = None
     # Seconds a DataParallel replica waits for its peers at this layer before raising ReplicaSyncError.
-    replica_timeout: Optional[float] = DEFAULT_REPLICA_TIMEOUT
+    replica_timeout: Optional[float] = settings.DEFAULT_REPLICA_TIMEOUT
     # "plus", "clip" ("clamp"), or None for the process-wide default of set_sbn_eps_mode.
     eps_mode: Optional[str] = None
     # What the members of each process group were found to agree on (comm.agreement.agreement_of makes it where a
@@ -239,7 +204,7 @@ class SyncBatchNorm(_BatchNorm):
         if inner is not None and not compiling:
             agreement = self._agreement  # (None on a torch.nn.SyncBatchNorm before its first check: agreement_of)
             settled = None if agreement is None else agreement.settled
-            if settled is None or settled[0] is not inner or settled[1] is not input.dtype or agreement_module._DEBUG:
+            if settled is None or settled[0] is not inner or settled[1] is not input.dtype or settings._DEBUG:
                 inner = self._checked(inner, input.dtype)
         exchange = self._replica_exchange
         if exchange is not None and (isinstance(exchange, SlavePipe) or exchange.nr_slaves > 0):
@@ -322,7 +287,7 @@ class SyncBatchNorm(_BatchNorm):
             return self._recompute_forward(input, transport)
         if transport is None:
             return super().forward(input)
-        if self._replica_exchange is not None or is_debug_enabled() or isinstance(transport, JoinTransport):
+        if self._replica_exchange is not None or settings._DEBUG or isinstance(transport, JoinTransport):
             return self._eager_sync_forward(input, transport)
         return self._sync_forward(input, transport, compiling)
 
@@ -337,7 +302,7 @@ class SyncBatchNorm(_BatchNorm):
             agreement_of(self).verify(group, key, self._describe(), error=str(error))
 
     def _eps_mode(self) -> str:
-        return _EPS_MODE if self.eps_mode is None else _resolve_eps_mode(self.eps_mode)
+        return settings._EPS_MODE if self.eps_mode is None else settings._resolve_eps_mode(self.eps_mode)
 
     def _sync_forward(self, input: Tensor, transport: Transport, compiling: bool) -> Tensor:
         """The synchronized training forward; ``torch.compile`` traces it whole on the distributed transport.

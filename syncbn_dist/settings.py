@@ -1,0 +1,157 @@
+"""Every process-wide switch of syncbn_dist, and every environment variable it reads, in one place.
+
+- The kernels of an eager layer: :func:`set_kernels`, :func:`get_kernels`; ``SYNCBN_DIST_KERNELS`` (read at every
+  call until :func:`set_kernels` is called); default ``"native"``.
+- How ``eps`` meets the batch variance: :func:`set_sbn_eps_mode` (a layer's ``eps_mode`` overrides it); default
+  ``"plus"``.
+- Debug mode (check every collective): :func:`set_debug`, :func:`is_debug_enabled`; ``SYNCBN_DEBUG`` (read at
+  import); default off.
+- How long a DataParallel replica waits for its peers: ``SyncBatchNorm.replica_timeout`` (per layer), whose default
+  is ``SYNCBN_REPLICA_TIMEOUT`` (read at import); 300 s.
+- ``torch.nn.SyncBatchNorm`` patched in a process at start-up: ``SYNCBN_PATCH_TORCH=1``, which ``python -m
+  syncbn_dist.run`` sets for its target and the processes it starts.
+
+The variables keep the names they were published under (two prefixes, ``SYNCBN_DIST_`` and ``SYNCBN_``); this module
+is where each is read, and the library's other modules read the switches here, never the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+__all__ = [
+    "DEFAULT_REPLICA_TIMEOUT",
+    "KERNEL_MODES",
+    "KERNELS_ENV",
+    "PATCH_TORCH_ENV",
+    "get_kernels",
+    "is_debug_enabled",
+    "set_debug",
+    "set_kernels",
+    "set_sbn_eps_mode",
+]
+
+# ---------------------------------------------------------------------------------------------------------------
+# The kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+KERNEL_MODES = ("auto", "compiled", "native")
+KERNELS_ENV = "SYNCBN_DIST_KERNELS"
+# Native: nothing compiles on a job's critical path. Compiling in the background while the first calls run natively
+# is not safe in torch 2.13 (docs/compile.md, "The default kernels"), so the compiled kernels are opt-in.
+DEFAULT_KERNELS = "native"
+
+_mode: Optional[str] = None
+
+
+def set_kernels(mode: str) -> None:
+    """Choose the kernels of every synchronized layer's eager training forward and backward, process-wide.
+
+    ``"native"`` (the default) is the native-op path (torch's batch-norm kernels and a float64 copy of the activation
+    for the statistics), which compiles nothing; ``"compiled"`` uses :mod:`syncbn_dist.kernels.compiled`, compiled by
+    ``torch.compile`` with inductor on first use (dynamic shapes: one graph per direction for each dtype and memory
+    format, shared by every layer, rank and batch size), on the first call's critical path; ``"auto"`` uses the
+    compiled kernels for CPU tensors where inductor finds a C++ compiler (else native, with one warning naming why)
+    and the native ones for CUDA tensors, which compile nothing and measured about as fast there (a GPU layer is
+    bound by per-call host work; docs/performance_cuda.md). On CPU the compiled kernels make a long job's steps
+    faster; a short job is faster on the native ones (docs/compile.md, "The default kernels"). Overrides
+    ``SYNCBN_DIST_KERNELS``. In forward-mode AD, in ``backward(create_graph=True)``, under a ``TorchDispatchMode``
+    and for shards of at most one value per channel the native ops run whatever the mode; under a user's
+    ``torch.compile`` the layer traces the compiled kernels' source whatever the mode. Both kernel sets give the
+    global-batch result and send the same collectives, so members may differ in mode.
+
+    Args:
+        mode: ``"auto"``, ``"compiled"`` or ``"native"``.
+
+    Raises:
+        ValueError: for any other mode.
+    """
+    global _mode
+    _mode = _checked_mode(mode, "set_kernels")
+
+
+def get_kernels() -> str:
+    """The mode in force: the last :func:`set_kernels`, else ``SYNCBN_DIST_KERNELS``, else ``"native"``.
+
+    Raises:
+        ValueError: if ``SYNCBN_DIST_KERNELS`` holds an unknown mode.
+    """
+    if _mode is not None:
+        return _mode
+    return _checked_mode(os.environ.get(KERNELS_ENV, DEFAULT_KERNELS), KERNELS_ENV)
+
+
+def _checked_mode(mode: Any, source: str) -> str:
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"{source}: expected one of {', '.join(map(repr, KERNEL_MODES))}, got {mode!r}")
+    return mode
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eps mode
+# ---------------------------------------------------------------------------------------------------------------
+
+# The process-wide default of SyncBatchNorm.eps_mode; see set_sbn_eps_mode.
+_EPS_MODE = "plus"
+# The classic library spells "clip" as "clamp".
+_EPS_MODE_ALIASES = {"plus": "plus", "clip": "clip", "clamp": "clip"}
+
+
+def set_sbn_eps_mode(mode: str) -> None:
+    """Set how every SyncBatchNorm without its own ``eps_mode`` applies ``eps`` to the batch variance in training.
+
+    The classic Synchronized-BatchNorm-PyTorch API, with the same global scope. ``"plus"`` (the default)
+    normalizes by ``sqrt(var + eps)``, as ``nn.BatchNorm`` does; ``"clip"`` (spelled ``"clamp"`` in the classic
+    library, whose default it is) by ``sqrt(max(var, eps))``, for reproducing models trained with it. Unlike the
+    classic library, "clip" applies to every training forward, synchronized or not, so a model gives the same
+    result on one replica as on many. Eval mode always uses ``running_var + eps``, as both libraries do.
+    A layer's own ``eps_mode`` attribute, when not None, overrides this default.
+
+    Args:
+        mode: ``"plus"``, ``"clip"`` or ``"clamp"`` (= ``"clip"``).
+
+    Raises:
+        ValueError: for any other mode.
+    """
+    global _EPS_MODE
+    _EPS_MODE = _resolve_eps_mode(mode)
+
+
+def _resolve_eps_mode(mode: str) -> str:
+    if mode not in _EPS_MODE_ALIASES:
+        raise ValueError(f"expected eps mode 'plus', 'clip' or 'clamp' (got {mode!r})")
+    return _EPS_MODE_ALIASES[mode]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Debug mode, timeouts, the torch patch of child processes
+# ---------------------------------------------------------------------------------------------------------------
+
+_DEBUG = os.environ.get("SYNCBN_DEBUG", "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def set_debug(enabled: bool) -> None:
+    """Turn debug mode on or off for this process (also on with the environment variable ``SYNCBN_DEBUG=1``).
+
+    In debug mode every synchronized collective, forward and backward, is preceded by one small ``all_gather`` that
+    checks that all members are at the same collective (call number, layer name, num_features, dtype, direction); on
+    a mismatch every member raises :class:`LayerMismatchError` naming each rank's layer, instead of hanging or mixing
+    statistics. Off by default: then each layer checks its first forward and first backward only, and costs nothing
+    after them.
+    """
+    global _DEBUG
+    _DEBUG = bool(enabled)
+
+
+def is_debug_enabled() -> bool:
+    """Whether debug mode is on (see :func:`set_debug`)."""
+    return _DEBUG
+
+
+# How long a replica waits for the others at one synchronized layer before giving up (seconds).
+DEFAULT_REPLICA_TIMEOUT = float(os.environ.get("SYNCBN_REPLICA_TIMEOUT", "300"))
+
+# Set to "1" by ``python -m syncbn_dist.run`` for its target and every process it starts: the start-up hook patches
+# torch.nn.SyncBatchNorm where it is "1" (syncbn_dist/integrations/_bootstrap/sitecustomize.py).
+PATCH_TORCH_ENV = "SYNCBN_PATCH_TORCH"
