@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from launch.common.spawn import run_distributed
+from syncbn_dist import settings
 from syncbn_dist.kernels import compiled as kernels
 from syncbn_dist.kernels import compiled_kernel
 from syncbn_dist.kernels.direct_call import DirectCall
@@ -176,7 +177,7 @@ def test_every_region_of_the_data_parallel_path_is_called_directly(monkeypatch: 
     for name in ("_shard_payload", "_normalize", "_scaled_grad_and_reductions", "_payload_grad"):
         fresh[name] = kernels._CompiledKernel(getattr(kernels, name).fn)
         monkeypatch.setattr(kernels, name, fresh[name])
-    monkeypatch.setattr(kernels, "_mode", "compiled")
+    monkeypatch.setattr(settings, "_mode", "compiled")
     with torch.enable_grad():
         parallel = DataParallelWithCallback(SynchronizedBatchNorm2d(8), cpu_replicas=2)
         x = torch.randn(8, 8, 4, 4, requires_grad=True)

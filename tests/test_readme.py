@@ -92,7 +92,7 @@ def test_readme_runs_as_pasted(tmp_path: Path) -> None:
     ran = run_blocks(readme_blocks(), tmp_path, Path(sys.executable).parent)
     assert [block.language for block, _ in ran] == ["bash", "bash", "python"]
     assert "torchrun" in ran[0][0].text and "2 processes, BatchNorm: distributed" in ran[0][1]
-    assert "join.py" in ran[1][0].text and "rank 1: 4 steps under Join" in ran[1][1]
+    assert "join.py" in ran[1][0].text and "steps per process under Join: [3, 4]" in ran[1][1]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ What a job may leave in a rank that a fresh process would not have is put back a
 - torch's global modes (default dtype, grad mode, deterministic algorithms, anomaly detection, float32 matmul
   precision), global module hooks, the default generator (reseeded at random, as a new process is);
 - warnings filters, signal handlers, the working directory and ``sys.path``;
-- syncbn_dist's state: the torch patch undone, then every module's globals, the contents of the containers among
-  them and the attributes of its module-level objects and classes as they were when the rank started (kernel mode,
+- syncbn_dist's state: every change to torch's classes undone (syncbn_dist.torch_changes), then every module's
+  globals, the contents of the containers among them and the attributes of its module-level objects and classes as they were when the rank started (kernel mode,
   debug mode, eps mode, compiled kernels, agreement records, registries), its ``functools`` caches cleared.
 
 Not put back: the globals of the test modules a worker comes from (workers keep no state there), and what torch
@@ -223,8 +223,8 @@ class _RankState:
                 signal.signal(signum, handler)
         os.chdir(self.cwd)
         sys.path[:] = self.path
-        # The patch first: it records torch's own attributes in the module state put back below.
-        sys.modules["syncbn_dist.integrations.torch_patch"].unpatch_torch_sync_batchnorm()
+        # torch's own classes first (the patch, the Join extension): their record is in the module state put back below.
+        sys.modules["syncbn_dist.torch_changes"].restore_all()
         for namespace in self.library:
             namespace.restore()
         for cache in self.caches:

@@ -25,14 +25,18 @@ _HOOK_STATE = tuple(name for name in vars(nn.Module()) if "hook" in name)
 # revert_model rebuilds that class with the same attributes and drops only what synchronization added.
 _SOURCE = "_syncbn_source"
 
-_HOW_OUT = {
-    "convert_model": "Either register a synchronized equivalent that computes the same forward, "
+# What a strict refusal tells the user to do, for converting (convert_model and the patched torch converter) and for
+# reverting.
+HOW_OUT_OF_CONVERSION = (
+    "Either register a synchronized equivalent that computes the same forward, "
     "syncbn_dist.register_conversion(TheClass, to_sync=TheSyncClass) with TheSyncClass a subclass of "
     "syncbn_dist.SyncBatchNorm (see docs/api.md#converting-models), or pass strict=False to leave these layers "
-    "unsynchronized (their statistics stay per process), with a warning that lists them.",
-    "revert_model": "Revert only layers that convert_model built, or pass strict=False to keep these layers as they "
-    "are, with a warning that lists them.",
-}
+    "unsynchronized (their statistics stay per process), with a warning that lists them."
+)
+_HOW_OUT_OF_REVERSION = (
+    "Revert only layers that convert_model built, or pass strict=False to keep these layers as they are, with a "
+    "warning that lists them."
+)
 
 
 def _rebuild(old: nn.Module, new_cls: type[nn.Module], **kwargs: Any) -> nn.Module:
@@ -129,9 +133,10 @@ def _classify_synced(module: nn.Module) -> tuple[str, Any]:
 
 def _swap(
     module: nn.Module, classify: Callable[[nn.Module], tuple[str, Any]], build: Callable[..., Optional[nn.Module]],
-    strict: bool, verb: str,
+    strict: bool, verb: str, how_out: str,
 ) -> nn.Module:
-    """Classify every layer first (so a refusal leaves the model untouched), then swap; returns the new root.
+    """Classify every layer first (so a refusal leaves the model untouched), then swap; returns the new root. ``verb``
+    names the caller in messages, ``how_out`` says what to do in a refusal.
 
     Every place a module is registered is visited (``named_children`` would skip a second slot of the same parent
     holding the same layer), and a layer registered in several places becomes one new layer, shared the same way.
@@ -158,7 +163,7 @@ def _swap(
             raise TypeError(
                 f"{verb} cannot swap {len(unknown)} BatchNorm layer(s) without changing what they compute, so it "
                 f"swapped none:\n"
-                f"{listing}\n{_HOW_OUT[verb]}"
+                f"{listing}\n{how_out}"
             )
         warnings.warn(f"{verb}(strict=False) leaves {len(unknown)} layer(s) as they are:\n{listing}", stacklevel=3)
 
@@ -280,7 +285,7 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, str
         layer._qualified_name = name  # names the layer in mismatch errors (see syncbn_dist.set_debug)
         return layer
 
-    return _swap(module, _classify, build, strict, "convert_model")
+    return _swap(module, _classify, build, strict, "convert_model", HOW_OUT_OF_CONVERSION)
 
 
 def revert_model(module: nn.Module, *, strict: bool = True) -> nn.Module:
@@ -318,27 +323,4 @@ def revert_model(module: nn.Module, *, strict: bool = True) -> nn.Module:
         kwargs = {"process_group": layer.process_group} if plain is nn.SyncBatchNorm else {}
         return _rebuild(layer, plain, **kwargs)
 
-    return _swap(module, _classify_synced, build, strict, "revert_model")
-
-
-def _convert_sync_batchnorm(
-    cls: type, module: nn.Module, process_group: Optional[Any] = None, *, strict: bool = True
-) -> nn.Module:
-    """Alias of :func:`syncbn_dist.convert_model`, spelled like ``torch.nn.SyncBatchNorm``'s classmethod.
-
-    Args:
-        module: a model, a single BatchNorm layer, or an ``nn.DataParallel``.
-        process_group: the group the converted layers synchronize over; None means the world group.
-        strict: see :func:`syncbn_dist.convert_model`.
-
-    Returns:
-        What :func:`syncbn_dist.convert_model` returns.
-
-    Raises:
-        TypeError: as :func:`syncbn_dist.convert_model`.
-    """
-    return convert_model(module, process_group, strict=strict)
-
-
-# Attached here rather than defined in batchnorm.py, which would then import this module (an import cycle).
-SyncBatchNorm.convert_sync_batchnorm = classmethod(_convert_sync_batchnorm)  # type: ignore[attr-defined]
+    return _swap(module, _classify_synced, build, strict, "revert_model", _HOW_OUT_OF_REVERSION)

@@ -10,12 +10,15 @@ Usage, on every rank::
 
 Each step's statistics cover the ranks that still have batches, exactly: a rank that has run out answers every
 synchronized collective with an empty shard (count 0) until the last rank is done. The protocol is in
-:mod:`syncbn_dist.comm.join`; docs/training.md ("Uneven inputs") and docs/design.md ("Uneven inputs under Join").
+:mod:`syncbn_dist.comm.join_session`; docs/training.md ("Uneven inputs") and docs/design.md ("Uneven inputs under
+Join").
 
 ``Join([ddp_model])`` alone works too: a ``Join`` of a DistributedDataParallel model that holds synchronized
 layers, and no joinable of this module, gets ``join_layers(ddp_model)`` added as its last joinable.
 
-Importing syncbn_dist extends torch's ``Join`` for this (a ``Join`` without synchronized layers is unchanged):
+For this, torch's ``Join`` is extended when the first synchronized layer of the process is made (through
+:mod:`syncbn_dist.torch_changes`; :func:`restore_torch_join` undoes it; a ``Join`` without synchronized layers is
+unchanged):
 ``__init__`` adds the layers' joinable beside a DDP model, and hands ``Join``'s per-step notification to DDP when
 ours is listed first (DDP sends it inside its forward, before its own collectives); ``__exit__`` starts a joining
 rank's listeners before its first shadowing collective, whatever the order of the joinables, and raises the
@@ -35,13 +38,14 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import torch_changes
 from ..comm.distributed import all_gather_bytes
 from ..comm.join_session import JoinBinding, JoinSession, JoinTransport
 from ..kernels.statistics import moments_of_total
 from ..layer.batchnorm import SyncBatchNorm
 from ..layer.statistics import update_running_stats
 
-__all__ = ["SyncBatchNormJoinable", "join_layers"]
+__all__ = ["SyncBatchNormJoinable", "extend_torch_join", "join_layers", "restore_torch_join"]
 
 # Copies of the layers' process groups, by their ranks: created once per default process group (creating a group is
 # collective), and forgotten with it (a job that destroys its group and starts another gets new copies).
@@ -77,6 +81,7 @@ def join_layers(model: nn.Module, join_process_group: Optional[Any] = None) -> S
         RuntimeError: if ``torch.distributed`` is not initialized.
         ValueError: if ``model`` holds no synchronized layer.
     """
+    extend_torch_join()  # (made already with the model's first layer, unless the layers were unpickled)
     joinable = _JOINABLES.get(model)
     if joinable is None:
         joinable = _JOINABLES[model] = SyncBatchNormJoinable(model, join_process_group)
@@ -184,7 +189,7 @@ class _LayersJoinHook(JoinHook):
         self._joinable = joinable
 
     def main_hook(self) -> None:
-        self._joinable._start_listeners()  # already started by Join.__exit__ (see _extend_torch_join)
+        self._joinable._start_listeners()  # already started by Join.__exit__ (see extend_torch_join)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         joinable = self._joinable
@@ -239,9 +244,13 @@ def _ours(join: Join) -> list[SyncBatchNormJoinable]:
     return [j for j in join._joinables if isinstance(j, SyncBatchNormJoinable)]
 
 
-def _extend_torch_join() -> None:
-    """Wrap ``Join.__init__`` and ``Join.__exit__`` (see the module docstring); once per process."""
-    if getattr(Join, "_syncbn_dist_extended", False):
+def extend_torch_join() -> None:
+    """Extend torch's ``Join`` for synchronized layers (see the module docstring), until :func:`restore_torch_join`.
+
+    Done for you when the first synchronized layer of the process is made (``syncbn_dist.torch_changes``); calling it
+    again is a no-op. A ``Join`` without synchronized layers behaves as torch's.
+    """
+    if torch_changes.is_replaced(Join, "__init__"):
         return
     init, exit_ = Join.__init__, Join.__exit__
 
@@ -270,9 +279,15 @@ def _extend_torch_join() -> None:
                         raise cause from error
             raise
 
-    Join.__init__ = __init__
-    Join.__exit__ = __exit__
-    Join._syncbn_dist_extended = True
+    torch_changes.replace(Join, "__init__", __init__)
+    torch_changes.replace(Join, "__exit__", __exit__)
+
+
+def restore_torch_join() -> None:
+    """Undo :func:`extend_torch_join`: torch's own ``Join.__init__`` and ``Join.__exit__`` again (then only a ``Join``
+    that lists the layers' joinable, ``join_layers(model)``, synchronizes them under uneven inputs)."""
+    torch_changes.restore(Join, "__init__")
+    torch_changes.restore(Join, "__exit__")
 
 
 def _let_another_notify(join: Join) -> None:
@@ -299,4 +314,4 @@ def _join_layers_of_ddp(join: Join, kwargs: dict[str, Any]) -> None:
         join._join_hooks = [*join._join_hooks, *(j.join_hook(**kwargs) for j in added)]
 
 
-_extend_torch_join()
+torch_changes.on_first_use(extend_torch_join)

@@ -26,6 +26,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import torch_changes
 from ..layer.batchnorm import SyncBatchNorm, SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
 from . import convert as _convert
 from .families import _NormActForward
@@ -46,11 +47,7 @@ _KNOWN_SUBCLASSES = frozenset(
 # What convert_model's plain targets become under torch's converter: a torch.nn.SyncBatchNorm (any input rank).
 _PLAIN_TARGETS = (SyncBatchNorm, SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d)
 _VERB = "torch.nn.SyncBatchNorm.convert_sync_batchnorm"
-_convert._HOW_OUT.setdefault(_VERB, _convert._HOW_OUT["convert_model"])
 
-_MISSING = object()
-# (class, attribute) -> torch's own value (or _MISSING), while the patch is on.
-_saved: dict[tuple[type, str], Any] = {}
 # strict as given to the last patch_torch_sync_batchnorm call (DistributedDataParallel's check reads it).
 _strict = True
 
@@ -207,7 +204,7 @@ def _convert_sync_batchnorm(
         layer._qualified_name = name  # names the layer in mismatch errors
         return layer
 
-    return _convert._swap(module, _classify, build, strict, _VERB)
+    return _convert._swap(module, _classify, build, strict, _VERB, _convert.HOW_OUT_OF_CONVERSION)
 
 
 def _calls_torch_forward(function: Any) -> bool:
@@ -352,8 +349,8 @@ def patch_torch_sync_batchnorm(*, strict: bool = True) -> _Patch:
     _strict = strict
     if not was_patched:
         for (cls, name), value in _REPLACEMENTS.items():
-            _saved[(cls, name)] = cls.__dict__.get(name, _MISSING)
-            setattr(cls, name, value)
+            torch_changes.replace(cls, name, value)
+    torch_changes.apply_first_use_changes()  # torch's layers synchronize now: Join([ddp_model]) must find them
     return _Patch(was_patched)
 
 
@@ -363,15 +360,11 @@ def unpatch_torch_sync_batchnorm() -> None:
     Layers keep their tensors and state (and the few private attributes the patched forward added, which torch's
     forward ignores).
     """
-    while _saved:
-        (cls, name), value = _saved.popitem()
-        if value is _MISSING:
-            delattr(cls, name)
-        else:
-            setattr(cls, name, value)
+    for cls, name in _REPLACEMENTS:
+        torch_changes.restore(cls, name)
 
 
 def is_torch_sync_batchnorm_patched() -> bool:
     """Whether :func:`patch_torch_sync_batchnorm` is in effect."""
-    return bool(_saved)
+    return torch_changes.is_replaced(nn.SyncBatchNorm, "forward")
 

@@ -18,6 +18,7 @@ from torch._dynamo import config as dynamo_config
 from torch.fx.experimental import _config as fx_config
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import torch_changes
 from ..comm.replica import install_placeholder_cuda_guard
 from .direct_call import DirectCall, GraphCallRecorder, recording_backend
 
@@ -30,14 +31,10 @@ def _outside_ddp_forward(compiled: Callable[..., Any], *args: Any) -> Any:
     The class attribute is what Dynamo reads (``DistributedDataParallel._get_active_ddp_module``); setting it costs
     nothing, where ``torch._dynamo.config.patch(optimize_ddp=False)`` costs 27 µs a call.
     """
-    active = DistributedDataParallel._active_ddp_module
-    if active is None:
+    if DistributedDataParallel._active_ddp_module is None:
         return compiled(*args)
-    DistributedDataParallel._active_ddp_module = None
-    try:
+    with torch_changes.temporarily(DistributedDataParallel, "_active_ddp_module", None):
         return compiled(*args)
-    finally:
-        DistributedDataParallel._active_ddp_module = active
 
 
 # Held for the first call of every signature: one compilation at a time, under the config patch above it.

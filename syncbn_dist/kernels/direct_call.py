@@ -36,6 +36,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .. import torch_changes
+
 __all__ = ["DirectCall", "GraphCallRecorder", "recording_backend"]
 
 # How a graph input is read from the region's arguments: (argument index, None) for the argument itself, else
@@ -69,22 +71,22 @@ class GraphCallRecorder:
     def __enter__(self) -> GraphCallRecorder:
         from torch._inductor.output_code import CompiledFxGraph
 
-        self._owner, self._class = threading.get_ident(), CompiledFxGraph
-        self._original = original = CompiledFxGraph.__call__
+        owner, original = threading.get_ident(), CompiledFxGraph.__call__
 
         def recording_call(graph: Any, inputs: list[Any]) -> Any:
-            if threading.get_ident() != self._owner:
+            if threading.get_ident() != owner:
                 return original(graph, inputs)
             recorded = list(inputs)  # the generated code empties the list it is given
             outputs = original(graph, inputs)
             self.calls.append((graph, recorded, outputs))
             return outputs
 
-        CompiledFxGraph.__call__ = recording_call
+        self._change = torch_changes.temporarily(CompiledFxGraph, "__call__", recording_call)
+        self._change.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._class.__call__ = self._original
+        self._change.__exit__(*exc)
 
 
 def _layout(t: Tensor) -> Optional[str]:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .. import settings
+from .. import settings, torch_changes
 from ..comm import (
     DataParallelTransport,
     LayerMismatchError,
@@ -139,6 +139,7 @@ class SyncBatchNorm(_BatchNorm):
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        torch_changes.apply_first_use_changes()  # (the first synchronized layer of the process: torch_changes.py)
         self.process_group = process_group
         # A one-element list, so DataParallel replicas (shallow copies of __dict__) report to the original.
         self._transport_record: list[Optional[str]] = [None]
@@ -147,6 +148,33 @@ class SyncBatchNorm(_BatchNorm):
         # What the members of each process group were found to agree on (shared by replicas, like
         # _transport_record): syncbn_dist.comm.agreement.
         self._agreement = LayerAgreement()
+
+    @classmethod
+    def convert_sync_batchnorm(
+        cls, module: nn.Module, process_group: Optional[Any] = None, *, strict: bool = True
+    ) -> nn.Module:
+        """:func:`syncbn_dist.convert_model`, spelled like ``torch.nn.SyncBatchNorm``'s classmethod.
+
+        Args:
+            module: a model, a single BatchNorm layer, or an ``nn.DataParallel``.
+            process_group: the group the converted layers synchronize over; None means the world group.
+            strict: see :func:`syncbn_dist.convert_model`.
+
+        Returns:
+            What :func:`syncbn_dist.convert_model` returns.
+
+        Raises:
+            TypeError: as :func:`syncbn_dist.convert_model`.
+        """
+        # Deferred: the converter is built on this module (docs/design.md, "The package").
+        from ..integrations.convert import convert_model
+
+        return convert_model(module, process_group, strict=strict)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # An unpickled layer (torch.load of a model) is a first synchronized layer too.
+        super().__setstate__(state)
+        torch_changes.apply_first_use_changes()
 
     @property
     def last_transport(self) -> Optional[str]:
