@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks only a GPU can run (README, "What has run where"): the gpu-marked tests on both kernel sets, then the
+# The checks only a GPU can run (docs/gpu.md): the gpu-marked tests on both kernel sets, then the
 # one-layer microbenchmark on CUDA beside torch.nn.SyncBatchNorm's kernels, with K3 and the compile cost on Triton,
 # the ResNet-50 training step with each library's synchronization forced (launch.bench.resnet50_step: issue 34's
 # G1-G3), then each variant's kernels' device time (launch.bench.kernel_profile device=cuda). Writes 8 files into
@@ -11,8 +11,8 @@
 #
 # Into docs/ and the README, on any machine: performance.json becomes docs/performance_cuda.json (stage micro) and
 # resnet50_step.md docs/performance_cuda_step.md (stage step); then `python -m launch.bench.render` writes
-# docs/performance_cuda.md and the README's GPU table from them (launch/bench/render.py). Update the README's
-# "What has run where" by hand with what passed, on which GPU and at which commit.
+# docs/performance_cuda.md and the README's GPU table from them (launch/bench/render.py). Update
+# docs/gpu.md by hand with what passed, on which GPU and at which commit.
 #
 # All stages take longer than one 10-minute device call: GPU_STAGES (default: all of them, in this order) picks
 # some of tests (test_gpu.py), micro (the one-layer benchmark), step (the ResNet-50 step), kernels (device time)

@@ -509,7 +509,7 @@ def markdown(summary: dict[str, Any]) -> str:
                 "",
                 "On CUDA the compiled kernels are the same source, compiled to Triton. `make bench-gpu` runs this "
                 "benchmark there with `device=cuda`, beside torch.nn.SyncBatchNorm's CUDA kernels, into "
-                "docs/performance_cuda.md; what has run on a GPU, and when: the README's \"What has run where\".",
+                "docs/performance_cuda.md; what has run on a GPU, and when: docs/gpu.md.",
             ]
         cost = micro.get("compile_cost")
         if cost:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -47,11 +47,31 @@ from ..comm.distributed import all_reduce_sum
 from ..settings import KERNELS_ENV, get_kernels
 from .compiled_kernel import _CompiledKernel
 from .statistics import invstd_and_scale, moments_of_total
-from .tracing import is_compiling
+from .tracing import _forward_ad_active, is_compiling
 
-__all__ = ["COMPILED_KERNELS", "layer_backward", "layer_forward", "use_compiled"]
+__all__ = ["COMPILED_KERNELS", "NATIVE", "layer_backward", "layer_forward", "takes_compiled_kernels", "use_compiled"]
 
 _F64 = torch.float64
+
+
+class _Native:
+    def __repr__(self) -> str:
+        return "NATIVE"
+
+
+#: The kernel choice of a call that runs the native kernels (the process-group Function's: else a group name).
+NATIVE: Any = _Native()
+
+
+def takes_compiled_kernels(input: Tensor, compiling: bool) -> bool:
+    """Whether a synchronized call runs this module's source, decided once per call (``compiling``: the caller's
+    :func:`~syncbn_dist.kernels.tracing.is_compiling`).
+
+    Under a user's ``torch.compile`` the graph holds this source, on every device (the decomposable math, no aten
+    batch-norm op), whatever the switch says. In eager mode the switch (:func:`use_compiled`) decides, except in
+    forward-mode AD, whose ``jvp``s are written in native ops; with the native kernels nothing else is looked up.
+    """
+    return compiling or (use_compiled(input) and not _forward_ad_active())
 
 
 def use_compiled(input: Tensor) -> bool:

@@ -29,7 +29,7 @@ from ..kernels.native import (
     local_payload,
 )
 from ..kernels.statistics import COMBINE_DTYPE, invstd_and_scale, moments_of_total
-from ..kernels.tracing import _forward_ad_active, _functorch_wrapped, is_compiling
+from ..kernels.tracing import _functorch_wrapped, is_compiling
 from .statistics import _checked_count, _global_statistics_as
 
 __all__: list[str] = []
@@ -50,19 +50,14 @@ def _apply(function: type[Function], *args: Any) -> Any:
     return super(Function, function).apply(*args)  # the C++ torch._C._FunctionBase.apply
 
 
-def _takes_compiled_kernels(input: Tensor) -> bool:
-    """Whether this call runs :mod:`syncbn_dist.kernels`' compiled kernels (never in forward-mode AD, whose
-    ``jvp``s are written in native ops)."""
-    return kernels.use_compiled(input) and not _forward_ad_active()
-
-
 class _BackwardLink:
-    """The global statistics, filled by the caller after the exchange and read by ``_LocalPayload.backward`` (they
-    are known only after ``_LocalPayload.forward`` ran)."""
+    """The kernel choice of the call, and the global statistics, filled by the caller after the exchange and read by
+    ``_LocalPayload.backward`` (they are known only after ``_LocalPayload.forward`` ran)."""
 
-    __slots__ = ("mean", "var", "eps")
+    __slots__ = ("compiled", "mean", "var", "eps")
 
-    def __init__(self) -> None:
+    def __init__(self, compiled: bool) -> None:
+        self.compiled = compiled
         self.mean: Optional[Tensor] = None
         self.var: Optional[Tensor] = None
         self.eps = 0.0
@@ -79,7 +74,7 @@ class _LocalPayload(Function):
 
     @staticmethod
     def forward(input: Tensor, link: _BackwardLink) -> tuple[Tensor, Tensor]:
-        if _takes_compiled_kernels(input):
+        if link.compiled:
             return kernels.payload(input), input.view_as(input)
         return local_payload(input), input.view_as(input)
 
@@ -112,7 +107,7 @@ class _LocalPayload(Function):
             return grad_alias, None
         link: _BackwardLink = ctx.link
         mean, var = link.mean, link.var
-        if _takes_compiled_kernels(input):
+        if link.compiled:
             grad_alias = _like_input(grad_alias, input)
             return kernels.grad_through_payload(grad_alias, input, grad_sum, grad_sumsq, mean), None
         # (x - mean) * rsqrt(var + eps) * W + B with W = 2 g_sumsq sqrt(var + eps) and B = g_sum + 2 mean g_sumsq.
@@ -142,15 +137,16 @@ class _Normalize(Function):
         var: Tensor,
         eps: float,
         clipped: Optional[Tensor],
+        compiled: bool,
     ) -> Tensor:
-        if _takes_compiled_kernels(input):
+        if compiled:
             return kernels.normalized(input, total, weight, bias, eps, clipped is not None)
         return _batch_norm_inference(input, _as_stat(weight, mean), _as_stat(bias, mean), mean, var, eps)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        input, weight, bias, total, mean, var, eps, clipped = inputs
-        ctx.eps, ctx.clipped = eps, clipped
+        input, weight, bias, total, mean, var, eps, clipped, compiled = inputs
+        ctx.eps, ctx.clipped, ctx.compiled = eps, clipped, compiled
         ctx.param_dtype = mean.dtype if weight is None else weight.dtype
         ctx.save_for_backward(input, weight, bias, total, mean, var)
         ctx.save_for_forward(input, weight, total, mean, var)
@@ -188,10 +184,10 @@ class _Normalize(Function):
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Any, ...]:
         input, weight, bias, total, mean, var = ctx.saved_tensors
         if torch.is_grad_enabled():  # backward(create_graph=True): autograd's product of the forward in plain ops
-            return (*_recorded_normalize_backward(ctx, grad_output), None, None, None, None)
+            return (*_recorded_normalize_backward(ctx, grad_output), None, None, None, None, None)
         grad_output = _like_input(grad_output, input)
         eps = ctx.eps
-        if _takes_compiled_kernels(input):
+        if ctx.compiled:
             scaled, sum_dy, sum_dy_xhat = kernels.scaled_grad(grad_output, input, weight, mean, var, eps)
         else:
             scaled, sum_dy, sum_dy_xhat = _scaled_grad_and_reductions(grad_output, input, weight, mean, var, eps)
@@ -208,7 +204,7 @@ class _Normalize(Function):
             count = total[-1:]
             grad_sum = torch.addcmul(grad_mean, mean.to(COMBINE_DTYPE), grad_var, value=-2.0) / count
             grad_total = F.pad(torch.cat([grad_sum, grad_var / count]), (0, 1))
-        return scaled, grad_weight, grad_bias, grad_total, None, None, None, None
+        return scaled, grad_weight, grad_bias, grad_total, None, None, None, None, None
 
 
 def _recorded_normalize_backward(ctx: Any, grad_output: Tensor) -> list[Optional[Tensor]]:
@@ -245,9 +241,11 @@ def _sync_batch_norm_differentiable(
     eps: float,
     eps_mode: str,
     transport: Transport,
+    compiled: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The two-Function path around a differentiable transport edge (DataParallel replicas)."""
-    link = _BackwardLink()
+    """The two-Function path around a differentiable transport edge (DataParallel replicas); ``compiled``: the call's
+    kernel choice (:func:`~syncbn_dist.kernels.compiled.takes_compiled_kernels`), made once for its four passes."""
+    link = _BackwardLink(compiled)
     payload, alias = _apply(_LocalPayload, input, link)
     (total,) = transport.all_reduce([payload])
     _checked_count(total.detach(), input)
@@ -256,5 +254,5 @@ def _sync_batch_norm_differentiable(
         clipped = None if eps_mode == "plus" else var < eps
         var = _normalizing_var(var, eps, eps_mode)
         link.mean, link.var, link.eps = mean, var, eps
-    output = _apply(_Normalize, alias, weight, bias, total, mean, var, eps, clipped)
+    output = _apply(_Normalize, alias, weight, bias, total, mean, var, eps, clipped, compiled)
     return output, mean, unbiased_var

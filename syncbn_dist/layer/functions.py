@@ -34,7 +34,7 @@ from torch.autograd import Function
 
 from ..comm.transport import UNREACHABLE, Transport
 from ..kernels import compiled as kernels
-from ..kernels.compiled import _channel_shape, _reduced_dims, _stat_dtype
+from ..kernels.compiled import NATIVE, _channel_shape, _reduced_dims, _stat_dtype
 from ..kernels.native import (
     LEAN_MIN_NUMEL,
     _as_stat,
@@ -47,7 +47,7 @@ from ..kernels.native import (
     local_payload,
 )
 from ..kernels.statistics import COMBINE_DTYPE, moments_of_total
-from ..kernels.tracing import _forward_ad_active, _forward_ad_level_active, _is_functorch_wrapped, is_compiling
+from ..kernels.tracing import _forward_ad_level_active, _is_functorch_wrapped, is_compiling
 from .exchange_functions import _sync_batch_norm_differentiable
 from .statistics import (
     _checked_count,
@@ -90,17 +90,16 @@ class _SyncBatchNormFunction(Function):
         eps: float,
         eps_mode: str,
         transport: Any,
+        group_name: Any,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        compiling = is_compiling()
-        group_name = _compiled_group_name(input, transport, compiling)
-        if group_name is not _NATIVE:  # payload, all_reduce and normalize: one compiled region, or the user's graph
+        if group_name is not NATIVE:  # payload, all_reduce and normalize: one compiled region, or the user's graph
             transport.check(2 * input.size(1) + 1)
             output, mean, unbiased_var, var, count = kernels.layer_forward(
                 input, weight, bias, eps, eps_mode == "clip", group_name
             )
             _checked_count(count, input)
             return output, mean, unbiased_var, var, count, count.new_empty(0)
-        total = transport.sum_(_local_payload(input, compiling))
+        total = transport.sum_(_local_payload(input, is_compiling()))
         _checked_count(total, input)
         mean, var, unbiased_var, count, empty = _global_statistics_as(total, _stat_dtype(input))
         if eps_mode != "plus":
@@ -112,9 +111,9 @@ class _SyncBatchNormFunction(Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
-        input, weight, _, eps, eps_mode, transport = inputs
+        input, weight, _, eps, eps_mode, transport, group_name = inputs
         _, mean, unbiased_var, var, count, empty = output
-        ctx.eps, ctx.eps_mode, ctx.transport = eps, eps_mode, transport
+        ctx.eps, ctx.eps_mode, ctx.transport, ctx.group_name = eps, eps_mode, transport, group_name
         # "clip": a channel whose variance was below eps normalizes by eps, eps - eps = 0 as the kernels see it.
         ctx.clipped = None if eps_mode == "plus" else var == 0.0
         ctx.save_for_backward(input, weight, mean, var, count, empty)
@@ -125,19 +124,18 @@ class _SyncBatchNormFunction(Function):
     def backward(ctx: Any, grad_output: Tensor, *_: None) -> tuple[Any, ...]:
         input, weight, mean, var, count, empty = ctx.saved_tensors
         if torch.is_grad_enabled():  # backward(create_graph=True): record a graph that can be differentiated again
-            return (*_recorded_backward(ctx, grad_output, input, weight, mean, count), None, None, None)
+            return (*_recorded_backward(ctx, grad_output, input, weight, mean, count), None, None, None, None)
         grad_output = _like_input(grad_output, input)
         needs = ctx.needs_input_grad
-        group_name = _compiled_group_name(input, ctx.transport, is_compiling())
-        if group_name is not _NATIVE:  # reductions, all_reduce and grad_input in one compiled region
+        if ctx.group_name is not NATIVE:  # reductions, all_reduce and grad_input in one compiled region
             ctx.transport.check(2 * input.size(1))
             grad_input, sum_dy_xhat, sum_dy = kernels.layer_backward(
-                grad_output, input, weight, mean, var, count, ctx.eps, ctx.eps_mode == "clip", group_name, needs[0]
+                grad_output, input, weight, mean, var, count, ctx.eps, ctx.eps_mode == "clip", ctx.group_name, needs[0]
             )
             param_dtype = mean.dtype if weight is None else weight.dtype
             grad_weight = sum_dy_xhat.to(param_dtype) if needs[1] else None
             grad_bias = sum_dy.to(param_dtype) if needs[2] else None
-            return grad_input, grad_weight, grad_bias, None, None, None
+            return grad_input, grad_weight, grad_bias, None, None, None, None
         invstd = torch.rsqrt(var + ctx.eps) if input.is_cuda else None  # the CUDA kernels take it, computed once
         sum_dy, sum_dy_xhat = _local_reductions(grad_output, input, weight, mean, var, ctx.eps, invstd)
         # One collective of 2C float64 values (the empty float64 tensor makes the cat's result float64); weight and
@@ -151,26 +149,18 @@ class _SyncBatchNormFunction(Function):
         param_dtype = mean.dtype if weight is None else weight.dtype
         if param_dtype != mean.dtype:  # e.g. float32 statistics of float16 activations with float16 parameters
             sum_dy_xhat, sum_dy = sum_dy_xhat.to(param_dtype), sum_dy.to(param_dtype)
-        return grad_input, sum_dy_xhat if needs[1] else None, sum_dy if needs[2] else None, None, None, None
+        return grad_input, sum_dy_xhat if needs[1] else None, sum_dy if needs[2] else None, None, None, None, None
 
 
-# _compiled_group_name's answer when the native ops run.
-_NATIVE = object()
-
-
-def _compiled_group_name(input: Tensor, transport: Any, compiling: bool) -> Any:
-    """The process group name the compiled regions reduce over (None for a group of one), or ``_NATIVE`` where the
-    native ops run: the transport has no group the regions can name, or, in eager mode (``compiling`` False: the
-    caller's :func:`is_compiling`), the kernel switch says so.
-
-    Under a user's ``torch.compile`` the regions' source is what the graph holds, on every device (the
-    decomposable math of :mod:`syncbn_dist.kernels`, no aten batch-norm op), whatever the switch says. In eager
-    mode the switch is read first: with the native kernels nothing else is looked up.
-    """
-    if not compiling and not (kernels.use_compiled(input) and not _forward_ad_active()):
-        return _NATIVE
+def _kernel_choice(input: Tensor, transport: Any, compiling: bool) -> Any:
+    """The kernels of one call, forward and backward, chosen once: the process group name the compiled regions
+    reduce over (None for a group of one), or :data:`~syncbn_dist.kernels.compiled.NATIVE` where the native ops run
+    (the transport's group is one the regions cannot reach, or, in eager mode, the kernel switch says so:
+    :func:`~syncbn_dist.kernels.compiled.takes_compiled_kernels`)."""
+    if not kernels.takes_compiled_kernels(input, compiling):
+        return NATIVE
     group_name = transport.group_name
-    return _NATIVE if group_name is UNREACHABLE else group_name
+    return NATIVE if group_name is UNREACHABLE else group_name
 
 
 class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
@@ -210,7 +200,7 @@ class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
                 mean, var, ctx.eps,
             )
             tangent = affine if tangent is None else tangent + affine
-        return tangent, None, None, None, None, None
+        return tangent, None, None, None, None, None  # one per output
 
 
 def _recorded_backward(
@@ -309,19 +299,21 @@ def _sync_batch_norm(
     """:func:`sync_batch_norm`, ``compiling`` being the caller's :func:`is_compiling` (the layer asks once)."""
     # An exchange unless the transport says otherwise (syncbn_dist.comm.transport).
     if getattr(transport, "differentiable_exchange", True):
-        output, mean, unbiased_var = _sync_batch_norm_differentiable(input, weight, bias, eps, eps_mode, transport)
-    elif compiling:
-        output, mean, unbiased_var, *_ = _SyncBatchNormFunction.apply(input, weight, bias, eps, eps_mode, transport)
-    elif _forward_ad_level_active():  # a dual level or a torch.func transform: Function.apply handles both
-        output, mean, unbiased_var, *_ = _SyncBatchNormForwardAD.apply(input, weight, bias, eps, eps_mode, transport)
-    elif _is_functorch_wrapped(input) or (weight is not None and _is_functorch_wrapped(weight)) or (
-        bias is not None and _is_functorch_wrapped(bias)
-    ):
-        output, mean, unbiased_var, *_ = _SyncBatchNormFunction.apply(input, weight, bias, eps, eps_mode, transport)
-    else:  # every argument given, nothing for Function.apply's checks to do: see _apply
-        output, mean, unbiased_var, *_ = super(Function, _SyncBatchNormFunction).apply(
-            input, weight, bias, eps, eps_mode, transport
+        output, mean, unbiased_var = _sync_batch_norm_differentiable(
+            input, weight, bias, eps, eps_mode, transport, kernels.takes_compiled_kernels(input, compiling)
         )
+    else:
+        args = (input, weight, bias, eps, eps_mode, transport, _kernel_choice(input, transport, compiling))
+        if compiling:
+            output, mean, unbiased_var, *_ = _SyncBatchNormFunction.apply(*args)
+        elif _forward_ad_level_active():  # a dual level or a torch.func transform: Function.apply handles both
+            output, mean, unbiased_var, *_ = _SyncBatchNormForwardAD.apply(*args)
+        elif _is_functorch_wrapped(input) or (weight is not None and _is_functorch_wrapped(weight)) or (
+            bias is not None and _is_functorch_wrapped(bias)
+        ):
+            output, mean, unbiased_var, *_ = _SyncBatchNormFunction.apply(*args)
+        else:  # every argument given, nothing for Function.apply's checks to do: see _apply
+            output, mean, unbiased_var, *_ = super(Function, _SyncBatchNormFunction).apply(*args)
     if running_mean is not None and running_var is not None:
         # No grad mode to set: the statistics are non-differentiable outputs (or made under no_grad), the buffers
         # never require grad.
