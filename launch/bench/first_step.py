@@ -97,7 +97,7 @@ def _steps(cfg: FirstStepConfig) -> dict[str, Any]:
     synchronized = all(m.last_transport == "distributed" for m in ddp.modules() if hasattr(m, "last_transport"))
     return {
         "kernels": cfg.kernels,
-        "mode": kernels.get_kernels(),
+        "mode": syncbn_dist.get_kernels(),
         "first_step_s": seconds[0],
         "second_step_ms": 1e3 * seconds[1] if len(seconds) > 1 else None,
         "compiled_graphs": sum(kernel.graphs() for kernel in kernels.COMPILED_KERNELS),

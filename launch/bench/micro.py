@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
+import syncbn_dist
 from launch.common.counting import count_layer
 from syncbn_dist.comm import DistributedTransport
 from syncbn_dist.kernels import compiled as kernels
@@ -92,7 +93,7 @@ def _with_kernels(mode: str, fn: Callable[[Tensor], Tensor], replay: bool = Fals
     regions replayed (:class:`_Replay`) if ``replay``."""
 
     def run(x: Tensor) -> Tensor:
-        kernels.set_kernels(mode)
+        syncbn_dist.set_kernels(mode)
         for name in ("_forward_region", "_backward_region"):
             region = getattr(kernels, name)
             if not isinstance(region, _Replay):
@@ -239,7 +240,7 @@ def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str,
             "case": {k: entry[k] for k in ("shape", "dtype", "memory_format")},
             "ops": {name: _top_ops(case, fn, 5, micro["profile_top"]) for name, fn in fns.items()},
         }
-    kernels.set_kernels("native")
+    syncbn_dist.set_kernels("native")
     return {
         "backend": dist.get_backend(),
         "device": "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device),

@@ -43,7 +43,6 @@ from torch.profiler import ProfilerActivity, profile
 import syncbn_dist
 from launch.bench.models import COMPILED_SUFFIX, DEBUG_VARIANTS, build_model, build_variant
 from launch.common.counting import CollectiveCounter, OpCounter
-from syncbn_dist.kernels import compiled as kernels
 
 _MIB = 2.0**20
 _DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
@@ -276,13 +275,13 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
 
     # Counted on the native kernels, the suite's default: both kernel sets send the same payloads.
     collectives: dict[str, list[dict[str, Any]]] = {}
-    mode = kernels.get_kernels()
-    kernels.set_kernels("native")
+    mode = syncbn_dist.get_kernels()
+    syncbn_dist.set_kernels("native")
     for name, runner in runners.items():
         with CollectiveCounter() as counter:
             runner.step(counter)
         collectives[name] = counter.calls
-    kernels.set_kernels(mode)
+    syncbn_dist.set_kernels(mode)
     # Not the compiled variants: a frame Dynamo meets under a TorchDispatchMode (the counter) is skipped from then on,
     # so one counted step would leave the model's forward eager, under Dynamo's callback, for every timed round.
     ops: dict[str, Optional[int]] = {}
