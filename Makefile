@@ -27,7 +27,7 @@ COMPAT_VENV = .venv-compat-$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys
 FRAMEWORKS_VENV := .venv-frameworks
 FRAMEWORKS_PINS := torch==2.14.1 torchvision==0.29.1 timm==1.0.31
 
-.PHONY: install train train-dp train-multinode compare test compat frameworks bench bench-gpu lint clean
+.PHONY: install train train-dp train-multinode compare test test-quick compat frameworks bench bench-gpu lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,12 @@ train-multinode: install
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(NPROC) --dist worksteal --durations=25 tests
 
+# The edit-test loop: the correctness tests, without those that exist for the recipes, benchmarks, packaging,
+# launchers and docs (plumbing) and the longest ones (slow, over_budget). docs/testing.md, "The quick tier".
+QUICK_MARKS := not plumbing and not slow and not over_budget
+test-quick: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(NPROC) --dist worksteal --durations=10 -m "$(QUICK_MARKS)" tests
+
 # Not part of CI. torch is pinned while the project installs, so pip fails rather than replace it.
 compat:
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
@@ -101,4 +107,4 @@ lint: install
 	$(VENV)/bin/ruff check syncbn_dist launch tests
 
 clean:
-	rm -rf $(VENV) .venv-compat-* $(FRAMEWORKS_VENV) outputs .pytest_cache build *.egg-info
+	rm -rf $(VENV) .venv-compat-* $(FRAMEWORKS_VENV) outputs .pytest_cache build dist *.egg-info

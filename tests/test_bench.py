@@ -31,6 +31,9 @@ from launch.bench.report import readme_tables
 from launch.common.config import ConfigError, load_config
 from launch.common.readme import read_section
 
+# Left out of make test-quick (docs/testing.md, "The quick tier"): the benchmark recipes (make bench, make bench-gpu).
+pytestmark = pytest.mark.plumbing
+
 ROOT = Path(__file__).resolve().parents[1]
 
 WIDTH = 4

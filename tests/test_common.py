@@ -22,6 +22,9 @@ from launch.common.config import (
 from launch.common.io import atomic_write, write_json
 from launch.common.torchrun import env_outside_torchrun, restart_hazard
 
+# Left out of make test-quick (docs/testing.md, "The quick tier"): launch/common's config and IO helpers.
+pytestmark = pytest.mark.plumbing
+
 
 @dataclass
 class _Section:

@@ -33,6 +33,9 @@ from launch.compare.summary import accuracy_table, mean_pm
 from launch.digits.config import DigitsConfig, load_digits_config
 from launch.digits.runtime import Runtime
 
+# Left out of make test-quick (docs/testing.md, "The quick tier"): the sweep recipe (make compare).
+pytestmark = pytest.mark.plumbing
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -412,8 +412,8 @@ _JOB = textwrap.dedent(
 @pytest.mark.parametrize(
     "backend",
     [
-        pytest.param("aot_eager", marks=pytest.mark.over_budget("three torchrun launches")),
-        pytest.param("inductor", marks=pytest.mark.slow),
+        pytest.param("aot_eager", marks=[pytest.mark.over_budget("three torchrun launches"), pytest.mark.plumbing]),
+        pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.plumbing]),
     ],
 )
 def test_compiled_job_exits_zero_under_torchrun(tmp_path: Path, backend: str) -> None:

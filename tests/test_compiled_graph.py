@@ -35,6 +35,10 @@ from launch.bench.resnet50_step import force_sync
 from launch.common.spawn import run_distributed
 from syncbn_dist.kernels import compiled as kernels
 
+# Left out of make test-quick (docs/testing.md, "The quick tier"): the benchmark's compiled-graph counts (make bench's
+# docs/performance_compiled_graph.md).
+pytestmark = pytest.mark.plumbing
+
 needs_cxx = pytest.mark.skipif(
     not any(shutil.which(cc) for cc in ("g++", "c++")), reason="inductor needs a C++ compiler"
 )

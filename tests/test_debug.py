@@ -200,6 +200,7 @@ def test_debug_mode_names_the_layers_on_each_rank() -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_debug_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     # Spawned workers inherit the environment and read SYNCBN_DEBUG when syncbn_dist is imported: fresh ones, which
     # import it with this environment.
@@ -229,6 +230,7 @@ def _dead_peer_times_out(rank: int, world_size: int, rank0_done: str) -> float:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_a_peer_that_never_arrives_raises_after_the_process_group_timeout(tmp_path: Path) -> None:
     # The collective timeout given to init_process_group (3 s here) bounds the wait: rank 0 gets gloo's timeout
     # error instead of hanging; the launcher's own 60 s limit would fail the test if it hung.

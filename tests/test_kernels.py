@@ -374,6 +374,7 @@ def _worker_resnet50_compile_count(rank: int, world_size: int) -> dict[str, Any]
     }
 
 
+@pytest.mark.slow
 def test_resnet50_layers_over_three_batch_sizes_compile_one_graph_per_direction(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

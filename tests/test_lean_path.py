@@ -276,6 +276,7 @@ def _worker_lean(rank: int, world_size: int) -> dict[str, object]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_op_and_byte_budgets_and_clip_mode_over_gloo() -> None:
     """FORWARD_OPS + BACKWARD_OPS ops on the op-lean path (at most LEAN_OP_BUDGET on the memory-lean one), the byte
     budget and PYTHON_CALL_BUDGET Python calls per synchronized layer, forward + backward; one all_reduce each way

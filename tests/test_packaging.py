@@ -22,6 +22,9 @@ from readme_blocks import readme_blocks, run_blocks
 
 import syncbn_dist
 
+# Left out of make test-quick (docs/testing.md, "The quick tier"): the built wheel in a fresh venv.
+pytestmark = pytest.mark.plumbing
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

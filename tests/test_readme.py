@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +24,9 @@ from launch.common.config import ConfigError
 from launch.common.readme import check_readme_key, fill_section, read_section
 from launch.compare.config import README_SECTION as COMPARE_SECTION
 from launch.compare.summary import accuracy_table
+
+# Left out of make test-quick (docs/testing.md, "The quick tier"): the README's code blocks and generated tables.
+pytestmark = pytest.mark.plumbing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,6 +55,26 @@ def test_every_readme_code_block_says_what_it_is() -> None:
     # The quick start: a file, the command that runs it, what it prints; all before the first not-run block.
     assert kinds[: kinds.index("not run")] == ["fragment", "file", "run", "output"]
     assert "torchrun --standalone --nproc_per_node=2 quickstart.py" in blocks[2].text
+
+
+
+# The README says what the project is and how to use it; docs/ holds the depth (issue 46).
+README_MAX_LINES = 400
+
+
+def test_the_readme_stays_within_its_line_budget() -> None:
+    lines = README.read_text().count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines, over {README_MAX_LINES}: move depth to docs/"
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout")
+def test_what_the_readmes_install_and_make_write_is_ignored_by_git() -> None:
+    """The README's ``pip wheel -w dist``, ``make install`` and the recipes leave nothing for ``git status`` to list."""
+    assert "pip wheel --no-deps -w dist ." in README.read_text()
+    written = ["dist/syncbn_dist-0.1.0-py3-none-any.whl", ".venv/bin/python", "build/lib/x.py",
+               "syncbn_dist.egg-info/PKG-INFO", "outputs/digits/metrics.json"]
+    done = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True, text=True)
+    assert sorted(done.stdout.split()) == sorted(written), f"not ignored: {set(written) - set(done.stdout.split())}"
 
 
 def test_readme_fragments_parse_and_every_syncbn_dist_name_they_use_exists() -> None:

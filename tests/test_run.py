@@ -23,6 +23,10 @@ from launch.common.torchrun import env_outside_torchrun, torchrun_command
 from syncbn_dist import run
 from tests.sessions import run_in_session
 
+# Left out of make test-quick (docs/testing.md, "The quick tier"): the python -m syncbn_dist.run launcher under
+# torchrun.
+pytestmark = pytest.mark.plumbing
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PATCHED = "syncbn_dist.integrations.torch_patch"

@@ -31,6 +31,9 @@ from launch.digits.data import load_data
 from launch.digits.loop import check_same_on_all_ranks, evaluate, show_progress_bar
 from launch.digits.model import DigitsNet
 
+# Left out of make test-quick (docs/testing.md, "The quick tier"): the digits recipe (make train).
+pytestmark = pytest.mark.plumbing
+
 ROOT = Path(__file__).resolve().parents[1]
 # The digits split the configs use: 1,797 images, a 0.2 test fraction (sklearn rounds the test size up).
 NUM_TRAIN = 1797 - math.ceil(0.2 * 1797)

@@ -37,6 +37,10 @@ from launch.digits.model import DigitsNet
 from launch.digits.runtime import Runtime, launch_id
 from launch.digits.stop import StopRequest
 
+# Left out of make test-quick (docs/testing.md, "The quick tier"): the digits recipe's torchrun restarts, SIGTERM and
+# multi-node plumbing.
+pytestmark = pytest.mark.plumbing
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

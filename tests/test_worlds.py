@@ -30,6 +30,9 @@ from syncbn_dist.comm import agreement
 from syncbn_dist.kernels import compiled as kernels
 from syncbn_dist.settings import KERNELS_ENV
 
+# Left out of make test-quick (docs/testing.md, "The quick tier"): the suite's own pooled gloo ranks.
+pytestmark = pytest.mark.plumbing
+
 PROBE_ENV = "SYNCBN_DIST_WORLDS_PROBE"
 HAS_CXX = any(shutil.which(cc) for cc in ("g++", "c++"))
 
