@@ -396,7 +396,7 @@ def test_kernel_profile_on_cuda_sums_each_variants_device_kernels() -> None:
 
 def test_host_profile_reports_each_regions_call_path_and_the_python_profile() -> None:
     """launch.bench.host_profile: after warm-up both regions of a layer over a process group run inductor's graph
-    directly (syncbn_dist.direct_call), and cProfile's table follows."""
+    directly (syncbn_dist.kernels.direct_call), and cProfile's table follows."""
     proc = _run_module("launch.bench.host_profile", "shape=[4,3,4,4]", "steps=3", "warmup=2", "top=5")
     assert proc.returncode == 0, proc.stderr[-3000:]
     paths = re.findall(r"^(_\w+_region) +(direct|torch\.compile) ", proc.stdout, re.MULTILINE)

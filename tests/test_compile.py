@@ -9,7 +9,7 @@
   the global-count-1 error on every rank, debug mode (runs the layer eagerly: one graph break per layer), and
   activation checkpointing (refused by dynamo with fullgraph=True; otherwise eager, with one running-stats update).
 - A compiled job exits 0 under torchrun, every time.
-- ``syncbn_dist.tracing.is_compiling`` is True in a frame Dynamo traces and False in a replica thread's eager
+- ``syncbn_dist.kernels.tracing.is_compiling`` is True in a frame Dynamo traces and False in a replica thread's eager
   forward (torch 2.11 evaluated an ``assume_constant_result`` function outside the trace, where it was False).
 """
 

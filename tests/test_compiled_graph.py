@@ -168,7 +168,7 @@ def test_regions_traced_for_cuda_inputs_hold_no_batch_norm_op_and_the_cpu_graph(
 
     The whole layer cannot be traced for fake CUDA tensors here: autograd's C++ Function node takes a CUDA device
     guard, which a CPU build of torch lacks. The layer's Function calls exactly these regions under compile
-    (``syncbn_dist.kernels.layer_forward``/``layer_backward``), on every device.
+    (``syncbn_dist.kernels.compiled.layer_forward``/``layer_backward``), on every device.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -1,4 +1,4 @@
-"""Compiled regions called directly after their first call (syncbn_dist.direct_call).
+"""Compiled regions called directly after their first call (syncbn_dist.kernels.direct_call).
 
 - After a signature's first call, its inductor graph is called directly, and gives what the torch.compile path
   gives, bit for bit, at a new batch size too (sizes are read from the arguments), on both layouts and with the

@@ -400,7 +400,7 @@ class _ActivationOps(TorchDispatchMode):
             name = func._overloadpacket.__name__
             if name == "_to_copy" and out.dtype == torch.float64 and out.is_contiguous(memory_format=_format_of(out)):
                 # The statistics pass reads a float64 conversion of the shard, in the shard's own layout: a dtype
-                # change the statistics need (see syncbn_dist.statistics.local_payload), not a re-laid-out copy.
+                # change the statistics need (see syncbn_dist.kernels.native.local_payload), not a re-laid-out copy.
                 name = "_to_copy(float64, same layout)"
             self.log.append(name)
         return out

@@ -1,4 +1,4 @@
-"""Single-process tests of syncbn_dist.functions: the per-channel moments and the synchronized batch-norm math.
+"""Single-process tests of syncbn_dist.layer.functions: the per-channel moments and the synchronized batch-norm math.
 
 The reference is always float64: ``torch.var_mean`` / sums on the data cast to float64 for the moments, and
 ``F.batch_norm`` in training mode on the float64 copy of the input for ``sync_batch_norm``. The transport used

@@ -49,7 +49,7 @@ OP_BUDGET = FORWARD_OPS + BACKWARD_OPS
 # docs/design.md for the floor (32 for torch.nn.SyncBatchNorm's CUDA kernels) and why aten ops on CPU stay above it.
 BYTES_PER_ELEMENT = 68
 PER_CHANNEL_BYTES = 600  # the C-sized tensors: statistics, payloads, parameters and their gradients
-# The memory-lean regime (activations of at least syncbn_dist.functions.LEAN_MIN_NUMEL elements): copy-free
+# The memory-lean regime (activations of at least syncbn_dist.kernels.native.LEAN_MIN_NUMEL elements): copy-free
 # statistics on contiguous NCHW float32 (read x 4 + 4), the float64 copy elsewhere (12 + 8); the normalization (8);
 # the local reductions (8); grad_input as one inference batch norm of x (8) and an addcmul_ with dy (12). Its op count
 # is not held to OP_BUDGET (large layers pay for bytes, not ops) but to what it measures, so that it cannot creep.
@@ -171,8 +171,8 @@ def test_clip_mode_dataparallel_matches_hand_written_float64(clip_mode: None, on
 # before the eager path read the kernel switch first, looked up nothing for the compiled kernels on the native ones
 # and called is_compiling once per direction: 342 and 478.
 # Through torch.compile's per-call machinery (Dynamo's frame entry and guards, AOT autograd's wrappers) rather than
-# direct calls of the two regions' inductor graphs (syncbn_dist.direct_call), compiled was 759; with torch's own
-# Function.apply, which binds the arguments with inspect on every call (syncbn_dist.exchange_functions._apply), 513
+# direct calls of the two regions' inductor graphs (syncbn_dist.kernels.direct_call), compiled was 759; with torch's own
+# Function.apply, which binds the arguments with inspect on every call (syncbn_dist.layer.exchange_functions._apply), 513
 # and 912.
 PYTHON_CALL_BUDGET = {"native": 190, "compiled": 440}
 

@@ -1,4 +1,4 @@
-"""Tests of syncbn_dist.torch_patch: ``torch.nn.SyncBatchNorm`` itself synchronizing through syncbn_dist.
+"""Tests of syncbn_dist.integrations.torch_patch: ``torch.nn.SyncBatchNorm`` itself synchronizing through syncbn_dist.
 
 In this process: the patch and its undo (torch's attributes restored, the same objects), idempotence and the context
 form, torch's behaviour bit for bit in eval and without peers, state_dict round trips with torch's class, the patched

@@ -5,7 +5,7 @@
 
 It runs the microbenchmark's ``syncbn_dist compiled`` variant (forward + backward, one-member group: gloo on CPU,
 NCCL on CUDA), prints for every compiled region of :mod:`syncbn_dist.kernels` and each signature it met whether
-its later calls run inductor's graph directly (:mod:`syncbn_dist.direct_call`) or go through ``torch.compile``,
+its later calls run inductor's graph directly (:mod:`syncbn_dist.kernels.direct_call`) or go through ``torch.compile``,
 then the wall µs per step and the Python functions with the most own time under :mod:`cProfile` (which slows
 Python code, not kernels: read the ranking, not the absolute times). On a GPU, where one layer at these sizes is
 bound by the host, this is what tells the per-call cost apart (docs/design.md, "Where K1's time goes").

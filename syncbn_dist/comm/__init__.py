@@ -1,7 +1,7 @@
 """Transports: the only part of the package that touches ``torch.distributed`` or threads.
 
 A transport sums a list of tensors over the members of a group with one collective, differentiably (see
-:class:`syncbn_dist.functions.Transport`), and knows nothing about batch norm:
+:mod:`syncbn_dist.comm.transport`), and knows nothing about batch norm:
 
 - :mod:`.distributed`: :class:`DistributedTransport`, one ``all_reduce`` over a process group (gloo, nccl).
 - :mod:`.agreement`: the check that every member is at the same layer (:class:`LayerMismatchError`, debug mode).

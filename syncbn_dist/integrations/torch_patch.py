@@ -117,7 +117,7 @@ def _forward(self: nn.SyncBatchNorm, input: Tensor) -> Tensor:
 
     The patched ``torch.nn.SyncBatchNorm.forward``. In eval mode, or with no peers, it is torch's forward bit for bit
     (``F.batch_norm``); in training over a process group of more than one member it is
-    :func:`syncbn_dist.functions.sync_batch_norm` on any device gloo or nccl serves (torch's own raises on CPU).
+    :func:`syncbn_dist.layer.functions.sync_batch_norm` on any device gloo or nccl serves (torch's own raises on CPU).
 
     Returns:
         Tensor of the input's shape, dtype and memory format.

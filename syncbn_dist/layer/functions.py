@@ -3,17 +3,17 @@ r"""The synchronized batch-norm autograd Functions and :func:`sync_batch_norm`, 
 One synchronized layer exchanges two small float64 tensors, whatever the transport:
 
 - forward, the local payload of 2C + 1 values ``[sum(x) (C), sum(x**2) (C), count]``, summed over every member
-  into the global payload (:mod:`syncbn_dist.statistics`);
+  into the global payload (:mod:`syncbn_dist.kernels.statistics`);
 - backward, the local reductions of 2C values ``[sum(dy) (C), sum(dy * x_hat) (C)]``, summed into the global
   ones, from which every member forms the exact global-batch ``grad_input``.
 
 The per-element work runs on one of two kernel sets with the same math: torch's batch-norm ops
-(:mod:`syncbn_dist.native`) or one compiled region per direction (:mod:`syncbn_dist.kernels`, whose source is also
+(:mod:`syncbn_dist.kernels.native`) or one compiled region per direction (:mod:`syncbn_dist.kernels.compiled`, whose source is also
 what a user's ``torch.compile`` traces). Two autograd shapes share it:
 
 - :class:`_SyncBatchNormFunction`, one Function for transports that can sum a tensor inside a Function
   (``torch.distributed``): forward and backward each run one collective. It is what ``torch.compile`` traces.
-- ``_LocalPayload`` -> ``transport.all_reduce`` -> ``_Normalize`` (:mod:`syncbn_dist.exchange_functions`), for
+- ``_LocalPayload`` -> ``transport.all_reduce`` -> ``_Normalize`` (:mod:`syncbn_dist.layer.exchange_functions`), for
   transports whose sum is itself differentiable (the DataParallel exchange, whose replicas' backward runs in one
   autograd thread where no exchange could happen): each Function has the true vector-Jacobian product of its
   forward, so the gradient of the global payload, summed by the exchange, carries the cross-replica terms back.
