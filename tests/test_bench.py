@@ -439,7 +439,7 @@ def test_resnet50_step_on_cpu_reports_every_variant_forced_onto_the_group(tmp_pa
     for name, row in rows.items():
         assert len(row["times_ms"]) == 2 and min(row["times_ms"]) > 0 and row["median_ms"] > 0, name
         assert row["ratio"] > 0, name
-        assert row["cuda_kernels"] is None, name  # counted on cuda only
+        assert row["cuda_kernels"] is None and row["device_ms"] is None, name  # counted on cuda only
     # torch's function and CUDA graphs cannot run on CPU: each is reported skipped with its reason, not dropped.
     assert set(record["skipped"]) == {"torch_function", "plain_reduce_overhead", "syncbn_dist_reduce_overhead"}
     assert all("CUDA" in reason for reason in record["skipped"].values()), record["skipped"]
@@ -519,6 +519,8 @@ def test_resnet50_step_on_cuda_forces_torchs_function_and_counts_kernels(
     assert set(rows) == {(v, dtype) for v in eager for dtype in ("bfloat16", "float32")}
     for (name, dtype), row in rows.items():
         assert row["median_ms"] > 0 and row["cuda_kernels"] > 0 and row["aten_ops"] > 0, (name, dtype)
+        # The device's busy time is in ms, within the step's (twice it at most: kernels on two streams may overlap).
+        assert 0 < row["device_ms"] <= 2 * max(row["times_ms"]), (name, dtype)
         assert row["collectives"] == (0 if name == "plain" else 106), (name, dtype)  # 53 BatchNorm2d layers
     plain = rows[("plain", "float32")]
     for name in ("torch_function", "syncbn_dist_native"):

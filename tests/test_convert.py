@@ -1,4 +1,5 @@
-"""Tests of syncbn_dist.integrations.convert: convert_model / revert_model keep tensors, settings and state_dict, at any depth.
+"""Tests of syncbn_dist.integrations.convert: convert_model / revert_model keep tensors, settings and state_dict, at
+any depth.
 
 Single process (torch.distributed not initialized, so every synchronized layer runs locally), except the
 DistributedDataParallel check, which needs a real one-rank gloo group from ``launch/common/spawn.py``.

@@ -171,9 +171,9 @@ def test_clip_mode_dataparallel_matches_hand_written_float64(clip_mode: None, on
 # before the eager path read the kernel switch first, looked up nothing for the compiled kernels on the native ones
 # and called is_compiling once per direction: 342 and 478.
 # Through torch.compile's per-call machinery (Dynamo's frame entry and guards, AOT autograd's wrappers) rather than
-# direct calls of the two regions' inductor graphs (syncbn_dist.kernels.direct_call), compiled was 759; with torch's own
-# Function.apply, which binds the arguments with inspect on every call (syncbn_dist.layer.exchange_functions._apply), 513
-# and 912.
+# direct calls of the two regions' inductor graphs (syncbn_dist.kernels.direct_call), compiled was 759; with torch's
+# own Function.apply, which binds the arguments with inspect on every call
+# (syncbn_dist.layer.exchange_functions._apply), 513 and 912.
 PYTHON_CALL_BUDGET = {"native": 190, "compiled": 440}
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Tests of syncbn_dist.integrations.registry: register_conversion teaches convert_model a BatchNorm subclass, by class or path."""
+"""Tests of syncbn_dist.integrations.registry: register_conversion teaches convert_model a BatchNorm subclass, by
+class or path."""
 
 from __future__ import annotations
 

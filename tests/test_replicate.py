@@ -1,4 +1,5 @@
-"""Tests of the DataParallel path (syncbn_dist.integrations.data_parallel, syncbn_dist.comm.replica): replicas synchronized by the master/slave exchange.
+"""Tests of the DataParallel path (syncbn_dist.integrations.data_parallel, syncbn_dist.comm.replica): replicas
+synchronized by the master/slave exchange.
 
 On CPU the replicas run in threads: either built by hand with ``_replicate_on_cpu`` (shallow copies that alias
 the original parameters and buffers, as nn.DataParallel's do), so that each replica's share of the batch is an

@@ -2,8 +2,8 @@
 # The checks only a GPU can run (docs/gpu.md): the gpu-marked tests on both kernel sets, then the
 # one-layer microbenchmark on CUDA beside torch.nn.SyncBatchNorm's kernels, with K3 and the compile cost on Triton,
 # the ResNet-50 training step with each library's synchronization forced (launch.bench.resnet50_step: issue 34's
-# G1-G3), then each variant's kernels' device time (launch.bench.kernel_profile device=cuda). Writes 8 files into
-# OUT_DIR, the most a device run brings back.
+# G1-G3 and each row's device time per step), then each variant's kernels' device time (launch.bench.kernel_profile
+# device=cuda). Writes 8 files into OUT_DIR, the most a device run brings back.
 #
 #   make bench-gpu GPU_PY=python3                   # writes outputs/bench_gpu/
 #   bash launch/bench/gpu.sh python3 /tmp/out       # a GPU machine whose python3 has torch (and omegaconf, tqdm)

@@ -30,7 +30,9 @@ group of one, every synchronized variant computes plain BatchNorm, so they diffe
 ``warmup`` steps, one step of each row is counted: collectives per step (``torch.profiler``'s ``c10d::`` op events,
 e.g. ``c10d::allreduce_``: an eager ``torch.distributed`` call, a functional collective and a compiled graph's
 collective each dispatch one; not counted inside a replayed CUDA graph) and, on cuda, the CUDA kernels one step
-runs (the profiler's device events, copies and fills left out); then, in eager
+runs (the profiler's device events, copies and fills left out; not counted in a replayed CUDA graph either) and the
+device time of the step (every device event's duration summed, CUDA graphs included: the cost once the host is
+hidden); then, in eager
 rows whose ops a dispatch mode sees, the aten ops one step dispatches (:class:`launch.common.counting.OpCounter`;
 not ``syncbn_dist_compiled``, whose layers run the native ops under a dispatch mode, nor torch.compile rows, which
 Dynamo would leave eager for good). Then ``rounds`` interleaved rounds run ``steps`` steps of every row each, the
@@ -38,8 +40,8 @@ first row rotating (launch/bench/step.py's rounds), each step timed alone: CUDA 
 cpu. A row's time is the median over its ``rounds * steps`` steps, in ms.
 
 It prints one markdown table (ms per step, ratio to ``plain`` in the same dtype and mode, aten ops, collectives,
-CUDA kernels per step), the skipped rows with the reason, and issue 34's targets: G1 syncbn_dist eager / torch's
-function eager (<= 0.9), G2 syncbn_dist / plain under ``torch.compile`` (<= 1.15), G3 the same under
+CUDA kernels and device ms per step), the skipped rows with the reason, and issue 34's targets: G1 syncbn_dist
+eager / torch's function eager (<= 0.9), G2 syncbn_dist / plain under ``torch.compile`` (<= 1.15), G3 the same under
 ``mode="reduce-overhead"`` (<= 1.10). With ``output=PATH`` it writes that markdown to PATH followed by every
 measurement and the resolved config as JSON in a fenced block (:func:`read_report` reads it back): one file.
 """
@@ -246,6 +248,8 @@ def build_variant(eager_variant: str, base: nn.Module) -> nn.Module:
 # Rows whose aten ops OpCounter sees as they run when timed (syncbn_dist_compiled's layers take the native ops under
 # a dispatch mode; a torch.compile frame met under one would stay eager for good).
 _OPS_COUNTED = ("plain", "torch_function", "naive", "syncbn_dist_native")
+# A row's counts, each None where not counted (:func:`_profiled_counts`, :class:`OpCounter`).
+COUNTS = ("aten_ops", "collectives", "cuda_kernels", "device_ms")
 
 
 class _Row:
@@ -308,23 +312,31 @@ def _timed_steps(row: _Row, steps: int, device: torch.device) -> list[float]:
     return [start.elapsed_time(end) for start, end in events]
 
 
-def _profiled_counts(row: _Row, device: torch.device) -> tuple[int, Optional[int]]:
-    """Collectives one step sends (the profiler's ``c10d::`` op events: eager ``torch.distributed`` calls, functional
-    collectives and compiled graphs' collectives each dispatch one) and, on cuda, the CUDA kernels it runs."""
+def _profiled_counts(row: _Row, device: torch.device) -> dict[str, Any]:
+    """What one profiled step of ``row`` runs: ``collectives`` (the profiler's ``c10d::`` op events: eager
+    ``torch.distributed`` calls, functional collectives and compiled graphs' collectives each dispatch one), and on
+    cuda ``cuda_kernels`` (copies and fills left out) and ``device_ms``, the summed duration of every device event
+    (kernels, copies and fills, in ms: the device's busy time, the step's cost once the host is hidden).
+
+    In a replayed CUDA graph (``mode="reduce-overhead"``) no op is dispatched, so only ``device_ms`` is reported."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         row.step()
         _synchronize(device)
     events = prof.key_averages()
-    collectives = sum(e.count for e in events if e.key.startswith("c10d::"))
+    replayed = row.mode == "reduce-overhead"
+    counts: dict[str, Any] = {
+        "collectives": None if replayed else sum(e.count for e in events if e.key.startswith("c10d::")),
+        "cuda_kernels": None,
+        "device_ms": None,
+    }
     if device.type != "cuda":
-        return collectives, None
-    kernels = sum(
-        e.count
-        for e in events
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith(("Memcpy", "Memset"))
-    )
-    return collectives, kernels
+        return counts
+    on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not replayed:
+        counts["cuda_kernels"] = sum(e.count for e in on_device if not e.key.startswith(("Memcpy", "Memset")))
+    counts["device_ms"] = sum(e.device_time_total for e in on_device) / 1e3
+    return counts
 
 
 def _check_and_warm_up(row: _Row, warmup: int, device: torch.device) -> None:
@@ -353,7 +365,7 @@ def measure(cfg: ResNet50StepConfig) -> dict[str, Any]:
 
     Returns ``{"device", "torch", "config", "rows": [...], "skipped": {variant: reason}, "targets": [...]}``; each row
     has ``variant``, ``dtype``, ``mode``, ``median_ms``, ``times_ms``, ``ratio`` (to ``baseline``), ``aten_ops``,
-    ``collectives``, ``cuda_kernels`` (None where not counted), ``losses`` (the first two steps'),
+    ``collectives``, ``cuda_kernels``, ``device_ms`` (None where not counted), ``losses`` (the first two steps'),
     ``max_abs_logit_diff`` (the first step's logits against eager ``plain``'s in the same dtype) and ``warmup_s``.
     """
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
@@ -378,8 +390,7 @@ def measure(cfg: ResNet50StepConfig) -> dict[str, Any]:
             print(f"[resnet50_step] {row.variant} {row.dtype}: warm-up ...", flush=True)
             _check_and_warm_up(row, cfg.warmup, device)
         for row in rows:
-            if row.mode != "reduce-overhead":  # a replayed CUDA graph's collectives and kernels are not profiled
-                row.measured["collectives"], row.measured["cuda_kernels"] = _profiled_counts(row, device)
+            row.measured.update(_profiled_counts(row, device))
             if row.variant in _OPS_COUNTED:
                 with OpCounter() as ops:
                     row.step()
@@ -409,10 +420,11 @@ def measure(cfg: ResNet50StepConfig) -> dict[str, Any]:
                 "aten_ops": row.measured.get("aten_ops"),
                 "collectives": row.measured.get("collectives"),
                 "cuda_kernels": row.measured.get("cuda_kernels"),
+                "device_ms": row.measured.get("device_ms"),
                 "max_abs_logit_diff": None
                 if reference is None
                 else (row.first_logits - reference.first_logits).abs().max().item(),
-                **{k: v for k, v in row.measured.items() if k not in ("aten_ops", "collectives", "cuda_kernels")},
+                **{k: v for k, v in row.measured.items() if k not in COUNTS},
             }
         )
     return {
@@ -467,7 +479,8 @@ def markdown(record: dict[str, Any]) -> str:
         f"{cfg['batch_size']}, {cfg['image_size']}×{cfg['image_size']}, channels_last, SGD with momentum; median "
         f"of {timed} steps ({cfg['rounds']} interleaved rounds × {cfg['steps']}) after {cfg['warmup']} warm-up "
         f"steps; ratio to plain in the same dtype and mode. Counts per step: aten ops dispatched, collectives, CUDA "
-        "kernels (– where not counted).",
+        "kernels, and the device's busy time in ms (the summed duration of one profiled step's device events; – where "
+        "not counted).",
         "",
     ]
     rows = [
@@ -479,10 +492,12 @@ def markdown(record: dict[str, Any]) -> str:
             _count(row["aten_ops"]),
             _count(row["collectives"]),
             _count(row["cuda_kernels"]),
+            "–" if row["device_ms"] is None else fmt(row["device_ms"], ".2f"),
         ]
         for row in record["rows"]
     ]
-    lines += _table(["step", "dtype", "ms per step", "/ plain", "aten ops", "collectives", "CUDA kernels"], rows)
+    header = ["step", "dtype", "ms per step", "/ plain", "aten ops", "collectives", "CUDA kernels", "device ms"]
+    lines += _table(header, rows)
     if record["skipped"]:
         lines += ["", "Skipped:"] + [f"- `{name}`: {reason}" for name, reason in record["skipped"].items()]
     if record["targets"]:

@@ -132,8 +132,8 @@ class DistributedTransport:
         always one dense tensor, reduced with SUM (the default options). Traced by ``torch.compile``, it is
         :func:`all_reduce_sum` (Dynamo cannot trace a process group's methods).
         """
-        # torch's flag, not syncbn_dist.kernels.tracing.is_compiling: in a replica thread that sees it set by another thread's
-        # compilation, the functional collective is the same sum, eagerly.
+        # torch's flag, not syncbn_dist.kernels.tracing.is_compiling: in a replica thread that sees it set by another
+        # thread's compilation, the functional collective is the same sum, eagerly.
         if torch.compiler.is_compiling():
             return all_reduce_sum(tensor, self.group_name)
         group = self.process_group

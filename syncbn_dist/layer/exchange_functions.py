@@ -5,7 +5,8 @@ autograd thread for all replicas, where no exchange between them could happen, s
 autograd edge (:class:`syncbn_dist.comm.DataParallelTransport`), and each Function has the true vector-Jacobian
 product of its forward. The gradient of the global payload, summed by the exchange, carries the cross-replica terms
 back (docs/design.md, "Higher-order derivatives"). The process-group path is one Function
-(:mod:`syncbn_dist.layer.functions`); both take the same math from :mod:`syncbn_dist.kernels.native` and :mod:`syncbn_dist.kernels.compiled`.
+(:mod:`syncbn_dist.layer.functions`); both take the same math from :mod:`syncbn_dist.kernels.native` and
+:mod:`syncbn_dist.kernels.compiled`.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ One synchronized layer exchanges two small float64 tensors, whatever the transpo
   ones, from which every member forms the exact global-batch ``grad_input``.
 
 The per-element work runs on one of two kernel sets with the same math: torch's batch-norm ops
-(:mod:`syncbn_dist.kernels.native`) or one compiled region per direction (:mod:`syncbn_dist.kernels.compiled`, whose source is also
-what a user's ``torch.compile`` traces). Two autograd shapes share it:
+(:mod:`syncbn_dist.kernels.native`) or one compiled region per direction (:mod:`syncbn_dist.kernels.compiled`,
+whose source is also what a user's ``torch.compile`` traces). Two autograd shapes share it:
 
 - :class:`_SyncBatchNormFunction`, one Function for transports that can sum a tensor inside a Function
   (``torch.distributed``): forward and backward each run one collective. It is what ``torch.compile`` traces.
