@@ -46,15 +46,21 @@ def _batch_size(rank: int, step: int) -> int:
     return 0 if (rank, step) == (0, 1) else 2 + (rank + step) % 3
 
 
-def _batches(rank: int, counts: list[int]) -> list[tuple[Tensor, Tensor]]:
-    """Rank ``rank``'s batches: inputs (N, 3, 3, 2) with a per-channel offset, and weights for the loss."""
-    generator = torch.Generator().manual_seed(1000 + rank)
+def _batches(rank: int, counts: list[int], epoch: int = 0) -> list[tuple[Tensor, Tensor]]:
+    """Rank ``rank``'s batches of epoch ``epoch``: inputs (N, 3, 3, 2) with a per-channel offset, and weights for the
+    loss."""
+    generator = torch.Generator().manual_seed(1000 + rank + 100 * epoch)
     batches = []
     for step in range(counts[rank]):
         n = _batch_size(rank, step)
         x = torch.randn(n, 3, 3, 2, generator=generator, dtype=torch.float64) * 2.0 + 3.0
         batches.append((x, torch.randn(n, C, 3, 2, generator=generator, dtype=torch.float64)))
     return batches
+
+
+def _epochs(counts: list[int], setup: dict[str, Any]) -> list[list[int]]:
+    """Each epoch's batch counts by rank: ``counts``, then those of ``setup["then"]`` (each epoch its own Join)."""
+    return [counts, *setup.get("then", [])]
 
 
 def _eval_input() -> Tensor:
@@ -71,7 +77,8 @@ def _running_stats(model: nn.Module) -> list[Tensor]:
 
 
 def _train_uneven(rank: int, world_size: int, counts: list[int], setup: dict[str, Any]) -> dict[str, Any]:
-    """One uneven epoch under Join; each step's records, then the model in eval mode on every rank. The model runs on
+    """Uneven epochs under Join, one Join each; each step's records, then the model in eval mode on every rank. The
+    model runs on
     ``setup["device"]`` (default the CPU; tests/test_gpu.py runs it on CUDA tensors over gloo); records are on the
     CPU."""
     torch.manual_seed(0)
@@ -80,7 +87,7 @@ def _train_uneven(rank: int, world_size: int, counts: list[int], setup: dict[str
     if setup.get("cpu_replicas"):
         model = DataParallelWithCallback(model, cpu_replicas=setup["cpu_replicas"])
     wrapped = DistributedDataParallel(model) if setup["ddp"] else model
-    if setup.get("ddp_alone"):  # Join([ddp_model]): importing syncbn_dist adds the layers' joinable
+    if setup.get("ddp_alone"):  # Join([ddp_model]): syncbn_dist's extension of Join adds the layers' joinable
         joinables = [wrapped]
     else:
         joinable = join_layers(wrapped if setup.get("join_outer") else model)
@@ -90,59 +97,76 @@ def _train_uneven(rank: int, world_size: int, counts: list[int], setup: dict[str
     copy.deepcopy(model).train()(torch.randn(2, 3, 3, 2))
     torch.save(model, io.BytesIO())
     records = []
-    join = Join(joinables if setup["ddp"] else [joinable])
-    assert any(isinstance(j, SyncBatchNormJoinable) for j in join._joinables)
-    with join:
-        for x, w in _batches(rank, counts):
-            x = x.float().to(device).requires_grad_()
-            out = wrapped(x)
-            (out * w.float().to(device)).sum().backward()
-            records.append(
-                {
-                    "out": out.detach().double().cpu(),
-                    "grad_input": x.grad.double().cpu(),
-                    "grads": [p.grad.to("cpu", torch.float64, copy=True) for p in model.parameters()],
-                    "stats": _running_stats(model),
-                }
-            )
-            if setup["ddp"]:  # without DDP each rank's gradients are its own: the parent sums them
-                optimizer.step()
-            optimizer.zero_grad()
+    for epoch, epoch_counts in enumerate(_epochs(counts, setup)):
+        join = Join(joinables if setup["ddp"] else [joinable])
+        assert any(isinstance(j, SyncBatchNormJoinable) for j in join._joinables)
+        with join:
+            for x, w in _batches(rank, epoch_counts, epoch):
+                x = x.float().to(device).requires_grad_()
+                out = wrapped(x)
+                (out * w.float().to(device)).sum().backward()
+                records.append(
+                    {
+                        "out": out.detach().double().cpu(),
+                        "grad_input": x.grad.double().cpu(),
+                        "grads": [p.grad.to("cpu", torch.float64, copy=True) for p in model.parameters()],
+                        "stats": _running_stats(model),
+                    }
+                )
+                if setup["ddp"]:  # without DDP each rank's gradients are its own: the parent sums them
+                    optimizer.step()
+                optimizer.zero_grad()
     wrapped.eval()
     with torch.no_grad():
         evaluated = wrapped(_eval_input().float().to(device)).double().cpu()
     return {"records": records, "eval": evaluated, "stats": _running_stats(model)}
 
 
-def _reference(world_size: int, counts: list[int], momentum: Optional[float], train: bool) -> dict[str, Any]:
-    """nn.BatchNorm in float64 on the union of the active ranks' batches, step by step (SGD steps if ``train``)."""
+def _reference(world_size: int, epochs: list[list[int]], momentum: Optional[float], train: bool) -> dict[str, Any]:
+    """nn.BatchNorm in float64 on the union of the active ranks' batches, step by step over ``epochs`` (each epoch's
+    batch counts by rank; SGD steps if ``train``). Each step says where each active rank's record of it is: the
+    rank's steps of the earlier epochs come first."""
     model = _net(momentum).double()
     # DDP divides the summed gradients by the initial world size, even under Join.
     optimizer = torch.optim.SGD(model.parameters(), lr=LR / world_size if train else 0.0)
-    batches = [_batches(rank, counts) for rank in range(world_size)]
     steps = []
-    for step in range(max(counts)):
-        active = [rank for rank in range(world_size) if step < counts[rank]]
-        x = torch.cat([batches[rank][step][0] for rank in active]).requires_grad_()
-        w = torch.cat([batches[rank][step][1] for rank in active])
-        out = model(x)
-        (out * w).sum().backward()
-        sizes = [batches[rank][step][0].size(0) for rank in active]
-        steps.append(
-            {
-                "active": active,
-                "out": dict(zip(active, out.detach().split(sizes))),
-                "grad_input": dict(zip(active, x.grad.split(sizes))),
-                "grads": [p.grad.clone() for p in model.parameters()],
-                "stats": _running_stats(model),
-            }
-        )
-        optimizer.step()
-        optimizer.zero_grad()
+    for epoch, counts in enumerate(epochs):
+        batches = [_batches(rank, counts, epoch) for rank in range(world_size)]
+        done = [sum(earlier[rank] for earlier in epochs[:epoch]) for rank in range(world_size)]
+        for step in range(max(counts)):
+            steps.append(_reference_step(model, optimizer, batches, counts, step, done))
     model.eval()
     with torch.no_grad():
         evaluated = model(_eval_input())
     return {"steps": steps, "eval": evaluated, "stats": _running_stats(model)}
+
+
+def _reference_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[list[tuple[Tensor, Tensor]]],
+    counts: list[int],
+    step: int,
+    done: list[int],
+) -> dict[str, Any]:
+    """One step of :func:`_reference` over the ranks with a batch at ``step``; ``done``: each rank's earlier steps."""
+    active = [rank for rank in range(len(counts)) if step < counts[rank]]
+    x = torch.cat([batches[rank][step][0] for rank in active]).requires_grad_()
+    w = torch.cat([batches[rank][step][1] for rank in active])
+    out = model(x)
+    (out * w).sum().backward()
+    sizes = [batches[rank][step][0].size(0) for rank in active]
+    record = {
+        "active": active,
+        "record": {rank: done[rank] + step for rank in active},
+        "out": dict(zip(active, out.detach().split(sizes))),
+        "grad_input": dict(zip(active, x.grad.split(sizes))),
+        "grads": [p.grad.clone() for p in model.parameters()],
+        "stats": _running_stats(model),
+    }
+    optimizer.step()
+    optimizer.zero_grad()
+    return record
 
 
 # float32 activations and parameters against float64: a few float32 roundings per value, amplified by 1/std and by
@@ -151,29 +175,31 @@ TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 
 
 def _assert_matches_reference(results: list[dict[str, Any]], world_size: int, counts: list[int], setup: dict) -> None:
-    reference = _reference(world_size, counts, setup.get("momentum", 0.1), train=setup["ddp"])
+    epochs = _epochs(counts, setup)
+    reference = _reference(world_size, epochs, setup.get("momentum", 0.1), train=setup["ddp"])
     for step, expected in enumerate(reference["steps"]):
+        records = {rank: results[rank]["records"][index] for rank, index in expected["record"].items()}
         # DDP's averaged gradients times the initial world size, or the sum of the ranks' own gradients.
         grads = [
-            results[expected["active"][0]]["records"][step]["grads"][i] * world_size
+            records[expected["active"][0]]["grads"][i] * world_size
             if setup["ddp"]
-            else sum(results[rank]["records"][step]["grads"][i] for rank in expected["active"])
+            else sum(records[rank]["grads"][i] for rank in expected["active"])
             for i in range(len(expected["grads"]))
         ]
         for i, (g, e) in enumerate(zip(grads, expected["grads"])):
             assert_close(g, e, f"parameter {i} gradient, step {step}", **TOLERANCE)
         for rank in expected["active"]:
-            got = results[rank]["records"][step]
+            got = records[rank]
             where = f"rank {rank}, step {step}"
             assert_close(got["out"], expected["out"][rank], f"output, {where}", **TOLERANCE)
             assert_close(got["grad_input"], expected["grad_input"][rank], f"input gradient, {where}", **TOLERANCE)
             for i, (s, e) in enumerate(zip(got["stats"], expected["stats"])):
                 assert_close(s, e, f"running statistic {i}, {where}", **TOLERANCE)
     for rank, result in enumerate(results):
-        assert len(result["records"]) == counts[rank]
+        assert len(result["records"]) == sum(epoch[rank] for epoch in epochs)
         for i, (s, e) in enumerate(zip(result["stats"], reference["stats"])):
-            assert_close(s, e, f"running statistic {i} after the epoch, rank {rank}", **TOLERANCE)
-        assert_close(result["eval"], reference["eval"], f"evaluation after the epoch, rank {rank}", **TOLERANCE)
+            assert_close(s, e, f"running statistic {i} after the last epoch, rank {rank}", **TOLERANCE)
+        assert_close(result["eval"], reference["eval"], f"evaluation after the last epoch, rank {rank}", **TOLERANCE)
 
 
 @pytest.mark.parametrize(
@@ -186,8 +212,20 @@ def _assert_matches_reference(results: list[dict[str, Any]], world_size: int, co
         ([4, 1], {"ddp": False, "momentum": None}),
         # Two thread replicas in each process, the master of each summing over processes.
         ([1, 3], {"ddp": False, "cpu_replicas": 2, "join_outer": True}),
+        # A second Join of the same model (the next epoch), where the other rank runs out first: nothing of the first
+        # Join (the joinable found for the model, the session, a layer's tracked-forward flag) outlives it wrongly.
+        ([3, 1], {"ddp": True, "ddp_alone": True, "then": [[1, 2]]}),
+        ([0, 2], {"ddp": False, "cpu_replicas": 2, "join_outer": True, "then": [[2, 1]]}),
     ],
-    ids=["ddp-3-5", "ddp-2-0-4-ours-first", "ddp-alone-2-3", "no-ddp-4-1-cumulative", "replicas-1-3"],
+    ids=[
+        "ddp-3-5",
+        "ddp-2-0-4-ours-first",
+        "ddp-alone-2-3",
+        "no-ddp-4-1-cumulative",
+        "replicas-1-3",
+        "ddp-alone-3-1-then-1-2",
+        "replicas-0-2-then-2-1",
+    ],
 )
 def test_uneven_batch_counts_under_join_equal_batchnorm_on_the_active_ranks_union(
     counts: list[int], setup: dict
