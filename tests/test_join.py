@@ -9,6 +9,7 @@ order changes from step to step is served exactly; active ranks at different lay
 from __future__ import annotations
 
 import copy
+import gc
 import io
 from typing import Any, Optional
 
@@ -314,3 +315,33 @@ def test_collectives_per_step_a_header_then_a_control_before_each_while_a_rank_h
         {"world": 1, "other": 1 + 2 * 4},
         {"world": 1, "other": 1 + 2 * 4},
     ]
+
+
+def _groups_after_destroy_worker(rank: int, world_size: int) -> list[bool]:
+    """An uneven epoch under ``Join([ddp])``, the model dropped, then torch destroys the groups syncbn_dist made for
+    it: whether each is still alive (something of syncbn_dist holds it)."""
+    import weakref
+
+    from syncbn_dist.integrations import torch_join
+
+    model = convert_model(_net())
+    ddp = DistributedDataParallel(model)
+    with Join([ddp]):
+        for x, _ in _batches(rank, [2, 3]):
+            ddp(x.float()).sum().backward()
+    copies = list(torch_join._session_groups([dist.group.WORLD], torch.device("cpu")).values())
+    del model, ddp
+    refs = [weakref.ref(group) for group in copies]
+    for group in copies:
+        dist.destroy_process_group(group)
+    del copies, group
+    gc.collect()
+    return [ref() is not None for ref in refs]
+
+
+def test_join_holds_no_process_group_past_destroy_process_group() -> None:
+    """The copies of the layers' groups that Join synchronizes over are freed when torch destroys them, as a group
+    torch made is: one that outlives destroy_process_group is destroyed during the interpreter's exit, where gloo's can
+    abort the process ("terminate called without an active exception", exit code -6, after the README's Join recipe
+    had printed its result)."""
+    assert run_distributed(_groups_after_destroy_worker, 2) == [[False], [False]]
