@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import weakref
 from typing import Any, Optional
 
 import pytest
@@ -24,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from launch.common.counting import CollectiveCounter
 from launch.common.spawn import run_distributed
 from syncbn_dist import DataParallelWithCallback, SyncBatchNormJoinable, convert_model, join_layers
+from syncbn_dist.integrations import torch_join
 
 pytestmark = pytest.mark.distributed
 
@@ -320,10 +322,6 @@ def test_collectives_per_step_a_header_then_a_control_before_each_while_a_rank_h
 def _groups_after_destroy_worker(rank: int, world_size: int) -> list[bool]:
     """An uneven epoch under ``Join([ddp])``, the model dropped, then torch destroys the groups syncbn_dist made for
     it: whether each is still alive (something of syncbn_dist holds it)."""
-    import weakref
-
-    from syncbn_dist.integrations import torch_join
-
     model = convert_model(_net())
     ddp = DistributedDataParallel(model)
     with Join([ddp]):
