@@ -319,6 +319,8 @@ def _step_sections(summary: dict[str, Any]) -> list[str]:
     skipped = [f"{name} W={w}" for name, s in summary["scenarios"].items() for w in s["skipped_world_sizes"]]
     if skipped:
         out += ["", f"Skipped (nccl needs one GPU per rank): {', '.join(skipped)}."]
+    if not on_gpu(summary) and summary["config"].get("plot"):  # run.py writes the plot beside this report
+        out += ["", "![median step time by variant and world size, one panel per scenario](performance.png)"]
     out += [
         "",
         "## Every variant: step time, aten ops, collectives, compilation",
