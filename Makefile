@@ -27,13 +27,13 @@ COMPAT_VENV = .venv-compat-$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys
 FRAMEWORKS_VENV := .venv-frameworks
 FRAMEWORKS_PINS := torch==2.14.1 torchvision==0.29.1 timm==1.0.31
 
-.PHONY: install train train-dp train-multinode compare test test-quick compat frameworks bench bench-gpu lint clean
+.PHONY: install train train-dp train-multinode compare test test-quick compat frameworks bench bench-gpu docs docs-check lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[dev,train]"
+	$(PY) -m pip install --quiet -e ".[dev,train,docs]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -103,8 +103,19 @@ GPU_OUT ?= outputs/bench_gpu
 bench-gpu:
 	bash launch/bench/gpu.sh $(GPU_PY) $(GPU_OUT) $(ARGS)
 
+# The documentation site, into site/: the design page's diagrams redrawn (launch/docs/diagrams.py), then a strict
+# build, which reaches no network (mkdocs.yml; tests/test_docs.py builds it too).
+docs: install
+	$(PY) -m launch.docs.diagrams
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The built site in a headless browser (not in CI, which has no browser): Debian's chromium and chromium-driver
+# (apt-get install chromium chromium-driver). launch/docs/browser_check.py says what it checks.
+docs-check: docs
+	$(PY) -m launch.docs.browser_check site
+
 lint: install
 	$(VENV)/bin/ruff check syncbn_dist launch tests
 
 clean:
-	rm -rf $(VENV) .venv-compat-* $(FRAMEWORKS_VENV) outputs .pytest_cache build dist *.egg-info
+	rm -rf $(VENV) .venv-compat-* $(FRAMEWORKS_VENV) outputs .pytest_cache build dist *.egg-info site
