@@ -10,6 +10,8 @@
   is ``SYNCBN_REPLICA_TIMEOUT`` (read at import); 300 s.
 - ``torch.nn.SyncBatchNorm`` patched in a process at start-up: ``SYNCBN_PATCH_TORCH=1``, which ``python -m
   syncbn_dist.run`` sets for its target and the processes it starts.
+- How many processes the launcher started: torchrun's ``WORLD_SIZE`` (:func:`launched_world_size`, read at every
+  call), which a layer compares with ``torch.distributed``'s state to warn when no process group was made.
 
 The variables keep the names they were published under (two prefixes, ``SYNCBN_DIST_`` and ``SYNCBN_``); this module
 is where each is read, and the library's other modules read the switches here, never the environment.
@@ -27,6 +29,7 @@ __all__ = [
     "PATCH_TORCH_ENV",
     "get_kernels",
     "is_debug_enabled",
+    "launched_world_size",
     "set_debug",
     "set_kernels",
     "set_sbn_eps_mode",
@@ -155,3 +158,12 @@ DEFAULT_REPLICA_TIMEOUT = float(os.environ.get("SYNCBN_REPLICA_TIMEOUT", "300"))
 # Set to "1" by ``python -m syncbn_dist.run`` for its target and every process it starts: the start-up hook patches
 # torch.nn.SyncBatchNorm where it is "1" (syncbn_dist/integrations/_bootstrap/sitecustomize.py).
 PATCH_TORCH_ENV = "SYNCBN_PATCH_TORCH"
+
+
+def launched_world_size() -> int:
+    """The number of processes the launcher says this job has (torchrun's ``WORLD_SIZE``), 1 where it says nothing
+    (or nothing readable)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1

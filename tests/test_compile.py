@@ -121,9 +121,10 @@ def _worker_compiled_equals_eager(
 
 
 def _check_equal(results: Sequence[dict], variants: Sequence[str], backend: str) -> None:
-    # Three synchronized layers of C channels: one float64 all_reduce of 2C + 1 values each in forward and one of
-    # 2C values each in backward, inside the compiled graphs, and nothing else (DDP is not used here).
-    expected_collectives = [([2 * C + 1], "double")] * 3 + [([2 * C], "double")] * 3
+    # Three synchronized layers of C channels: one float64 all_reduce of 2C + 6 values each in forward and one of the
+    # same size each in backward (the statistics and the collective's tag: syncbn_dist.comm.tags), inside the compiled
+    # graphs, and nothing else (DDP is not used here).
+    expected_collectives = [([2 * C + 6], "double")] * 6
     for rank, result in enumerate(results):
         assert result["graph_breaks"] == 0, f"rank {rank}: {result['graph_breaks']} graph breaks"
         assert result["collectives"] == expected_collectives, f"rank {rank}: {result['collectives']}"

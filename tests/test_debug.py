@@ -145,8 +145,9 @@ def _checks_per_step(layer: nn.Module, x: torch.Tensor) -> int:
 
 
 def _agreement_follows_groups_and_copies(rank: int, world_size: int) -> list[int]:
-    """What keys a layer's agreement record: a new process group is checked anew (a destroyed group's record goes with
-    it, even if the new group reuses its address), and so is a copy of the layer; the layer itself is checked once."""
+    """What keys the gather check: each process group's first step (a destroyed group's record goes with it, even if
+    the new group reuses its address); after it, a layer, or a copy of it, sends tagged collectives and gathers
+    nothing (which collectives gather may depend only on the group's history, never on the collective)."""
     syncbn_dist.set_debug(False)
     x = torch.randn(4, 3, requires_grad=True)
     group = dist.new_group([0, 1])
@@ -163,9 +164,9 @@ def _agreement_follows_groups_and_copies(rank: int, world_size: int) -> list[int
 
 @pytest.mark.distributed
 def test_the_agreement_record_is_kept_per_layer_and_process_group() -> None:
-    # First step: forward and backward checked; then nothing; a new group: checked. On the world group: checked, a
-    # copy of the layer: checked, the layer again: not.
-    assert run_distributed(_agreement_follows_groups_and_copies, 2) == [[2, 0, 2, 2, 2, 0]] * 2
+    # First step: forward and backward checked; then nothing; a new group: checked. On the world group: checked; a
+    # copy of the layer on it, and the layer again: not (the world group's first step is over).
+    assert run_distributed(_agreement_follows_groups_and_copies, 2) == [[2, 0, 2, 2, 0, 0]] * 2
 
 
 @pytest.mark.distributed

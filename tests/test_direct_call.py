@@ -35,16 +35,22 @@ def _grad_mode_off() -> Any:
         yield
 
 
+# A collective tag's five values, as the layer passes them to each region (syncbn_dist.comm.tags).
+_TAG = torch.tensor([1.0, 3.0, 9.0, 5.0, 25.0], dtype=torch.float64)
+
+
 def _forward_args(x: Tensor) -> tuple[Any, ...]:
     x3 = kernels._as_3d(x)
     weight = torch.linspace(0.5, 1.5, x.size(1))
-    return (x3, weight, torch.linspace(-1.0, 1.0, x.size(1)), _EPS, False, None)
+    return (x3, weight, torch.linspace(-1.0, 1.0, x.size(1)), _EPS, False, None, _TAG)
 
 
 def _backward_args(x: Tensor, dy: Tensor) -> tuple[Any, ...]:
     x3, weight, bias, *_ = _forward_args(x)
-    _, mean, _, var, count, *_ = kernels.forward_region(x3, weight, bias, _EPS, False, None)
-    return (kernels._as_3d(dy), x3, weight, mean, var, count, kernels.channel_ones(x3), _EPS, False, None, True)
+    _, mean, _, var, count, *_ = kernels.forward_region(x3, weight, bias, _EPS, False, None, _TAG)
+    return (
+        kernels._as_3d(dy), x3, weight, mean, var, count, kernels.channel_ones(x3), _EPS, False, None, True, _TAG
+    )
 
 
 def _signature(kernel: kernels._CompiledKernel) -> Any:
@@ -94,11 +100,11 @@ def test_a_backward_without_grad_input_maps_its_absent_output(clip: bool) -> Non
     kernel = kernels._CompiledKernel(kernels.backward_region)
     x, dy = torch.randn(4, 6, 5, generator=gen), torch.randn(4, 6, 5, generator=gen)
     args = list(_backward_args(x, dy))
-    args[-3], args[-1] = clip, False
+    args[-4], args[-2] = clip, False
     kernel(*args)
     direct = kernel.direct[_signature(kernel)]
     result = direct(tuple(args))
-    assert result is not None and result[0] is None and len(result) == 3
+    assert result is not None and result[0] is None and len(result) == 4  # (None, two sums, the summed tag)
     _assert_same(result, kernel.compiled[_signature(kernel)](*args))
 
 
@@ -141,8 +147,8 @@ def _eager_under_dynamo_worker(rank: int, world_size: int) -> bool:
 
     kernel = kernels._CompiledKernel(kernels.forward_region)
     x = torch.randn(4, 6, 5, 3, generator=torch.Generator().manual_seed(rank))
-    x3, weight, bias, eps, clip, _ = _forward_args(x)
-    args = (x3, weight, bias, eps, clip, dist.group.WORLD.group_name)
+    x3, weight, bias, eps, clip, _, tag = _forward_args(x)
+    args = (x3, weight, bias, eps, clip, dist.group.WORLD.group_name, tag)
     with torch.no_grad():
         expected = kernel(*args)  # compiled, and its direct call recorded
 

@@ -28,7 +28,7 @@ class _SoloTransport:
     def __init__(self) -> None:
         self.calls = 0
 
-    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+    def all_reduce(self, tensors: Sequence[Tensor], tags: Any = None) -> list[Tensor]:
         self.calls += 1
         return [t.clone() for t in tensors]
 

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Function
 
+from ..settings import launched_world_size
+
 __all__ = [
     "DistributedTransport",
     "all_gather_bytes",
@@ -24,6 +26,7 @@ __all__ = [
     "distributed_transport",
     "group_needs_sync",
     "new_sync_groups",
+    "process_group_missing",
 ]
 
 
@@ -42,28 +45,45 @@ class _AllReduceCoalesced(Function):
     require grad are sent, so the backward payload is as small as it can be (every rank agrees on which
     inputs those are, since they run the same model). Under ``backward(create_graph=True)`` that sum is this
     Function again, so the recorded backward can itself be differentiated (double backward).
+
+    ``tags`` is None or ``(forward_tag, backward_tag, stamp)``: the :class:`~syncbn_dist.comm.tags.CollectiveTag` each
+    direction's sum verifies (the flattened tensors end with the summed tags); with ``stamp``, each direction first
+    writes its tag's values into the last values of what it sends (a gradient's tail is that of a constant: zeros).
     """
 
     @staticmethod
-    def forward(reducer: Any, *tensors: Tensor) -> tuple[Tensor, ...]:
-        return tuple(_unflatten(reducer.sum_(_flatten(tensors)), tensors))
+    def forward(reducer: Any, tags: Optional[tuple[Any, Any, bool]], *tensors: Tensor) -> tuple[Tensor, ...]:
+        return tuple(_unflatten(_tagged_sum(reducer, _flatten(tensors), tags), tensors))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.reducer = inputs[0]  # setup_context rather than ctx in forward: the torch.func transforms can run it
+        # setup_context rather than ctx in forward: the torch.func transforms can run it
+        ctx.reducer, ctx.tags = inputs[0], inputs[1]
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
-        needed = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
+        needed = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
         result: list[Optional[Tensor]] = [None] * len(grads)
+        tags = None if ctx.tags is None else (ctx.tags[1], ctx.tags[0], ctx.tags[2])
         if needed and torch.is_grad_enabled():
-            for i, total in zip(needed, _AllReduceCoalesced.apply(ctx.reducer, *(grads[i] for i in needed))):
+            for i, total in zip(needed, _AllReduceCoalesced.apply(ctx.reducer, tags, *(grads[i] for i in needed))):
                 result[i] = total
         elif needed:
-            flat = ctx.reducer.sum_(_flatten([grads[i] for i in needed]).contiguous())
+            flat = _tagged_sum(ctx.reducer, _flatten([grads[i] for i in needed]).contiguous(), tags)
             for i, chunk in zip(needed, _unflatten(flat, [grads[i] for i in needed])):
                 result[i] = chunk
-        return (None, *result)
+        return (None, None, *result)
+
+
+def _tagged_sum(reducer: Any, flat: Tensor, tags: Optional[tuple[Any, Any, bool]]) -> Tensor:
+    """``reducer.sum_`` of ``flat``, verifying (and with ``stamp``, first writing) the tag of ``tags[0]``."""
+    if tags is None:
+        return reducer.sum_(flat)
+    tag, _, stamp = tags
+    if stamp:
+        tail = tag.tail(flat.device, None)
+        flat.narrow(0, flat.numel() - tail.numel(), tail.numel()).copy_(tail)
+    return reducer.sum_(flat, tag)
 
 
 def all_reduce_sum(tensor: Tensor, group_name: Optional[str]) -> Tensor:
@@ -112,18 +132,22 @@ class DistributedTransport:
         """The group's name, by which functional collectives reach it (:func:`all_reduce_sum`)."""
         return (dist.group.WORLD if self.process_group is None else self.process_group).group_name
 
-    def all_reduce(self, tensors: Sequence[Tensor], reducer: Optional[Any] = None) -> list[Tensor]:
+    def all_reduce(
+        self, tensors: Sequence[Tensor], reducer: Optional[Any] = None, tags: Optional[tuple[Any, Any, bool]] = None
+    ) -> list[Tensor]:
         """Sum ``tensors`` over the group with one ``all_reduce``, differentiably (backward sums the gradients).
 
         Args:
             tensors: tensors of one dtype, any shapes.
             reducer: what sums the flattened tensors, forward and backward (an object with this class's ``sum_``;
-                None: this transport). :class:`syncbn_dist.comm.join.JoinTransport` passes itself, to announce each
-                collective to the ranks that have joined.
+                None: this transport). :class:`syncbn_dist.comm.join_session.JoinTransport` passes itself, to announce
+                each collective to the ranks that have joined.
+            tags: ``(forward_tag, backward_tag, stamp)``, what each direction verifies (see ``_AllReduceCoalesced``),
+                or None.
         """
-        return list(_AllReduceCoalesced.apply(self if reducer is None else reducer, *tensors))
+        return list(_AllReduceCoalesced.apply(self if reducer is None else reducer, tags, *tensors))
 
-    def sum_(self, tensor: Tensor) -> Tensor:
+    def sum_(self, tensor: Tensor, tag: Optional[Any] = None) -> Tensor:
         """Sum ``tensor`` over the group in place with one ``all_reduce`` and return it (not differentiable).
 
         Called by the native kernels inside the synchronized batch-norm autograd Function, forward and backward, in
@@ -131,6 +155,14 @@ class DistributedTransport:
         ``c10d.allreduce_``), without ``torch.distributed.all_reduce``'s per-call Python checks: the payload is
         always one dense tensor, reduced with SUM (the default options). Traced by ``torch.compile``, it is
         :func:`all_reduce_sum` (Dynamo cannot trace a process group's methods).
+
+        Args:
+            tensor: the flat payload.
+            tag: the collective's :class:`~syncbn_dist.comm.tags.CollectiveTag`, whose summed values end ``tensor``
+                and are verified once summed (None: nothing to verify).
+
+        Raises:
+            LayerMismatchError: if the members sent different tags (on every member).
         """
         # torch's flag, not syncbn_dist.kernels.tracing.is_compiling: in a replica thread that sees it set by another
         # thread's compilation, the functional collective is the same sum, eagerly.
@@ -140,14 +172,16 @@ class DistributedTransport:
         if group is None:
             group = dist.group.WORLD
         group.allreduce([tensor]).wait()
+        if tag is not None:
+            tag.verify(tensor, self)
         return tensor
 
     def agreement_group(self) -> Any:
         """The group whose members check that they agree before a collective (:mod:`syncbn_dist.comm.agreement`)."""
         return dist.group.WORLD if self.process_group is None else self.process_group
 
-    def check(self, numel: int) -> None:
-        """Called before a collective of ``numel`` values that runs inside a compiled region: nothing to do here (a
+    def check(self, tag: Any) -> None:
+        """Called before the collective of ``tag`` that runs inside a compiled region: nothing to do here (a
         :class:`~syncbn_dist.comm.agreement.CheckedTransport` checks the members' agreement)."""
 
 
@@ -320,6 +354,12 @@ def broadcast_from_first_(tensor: Tensor, process_group: Optional[Any] = None) -
     source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
     dist.broadcast(tensor, src=source, group=process_group)
     return tensor
+
+
+def process_group_missing() -> bool:
+    """Whether the launcher started several processes (``WORLD_SIZE`` > 1) but ``torch.distributed`` is not
+    initialized: every process would train with its own statistics."""
+    return launched_world_size() > 1 and not (_DIST_AVAILABLE and dist.is_initialized())
 
 
 def group_needs_sync(process_group: Optional[Any] = None) -> bool:

@@ -92,7 +92,8 @@ class JoinSession:
         device: where controls and an empty shard's payloads live (the layers' device: CPU for gloo, the current
             CUDA device for nccl).
         on_forward_total: called by the listener with ``(layer, total)`` for every summed forward payload
-            ``[sum (C), sum of squares (C), count]`` it answered whose layer updated its running statistics, so that
+            ``[sum (C), sum of squares (C), count, tag (5)]`` it answered whose layer updated its running statistics, so
+            that
             a joined rank keeps its own in step (``layer`` is the code the layer's :class:`JoinTransport` was given).
     """
 
@@ -217,19 +218,23 @@ class JoinTransport:
         (set by every training forward of the layer, so that no earlier call's answer outlives it)."""
         self._tracked_forward = tracked
 
-    def sum_(self, tensor: Tensor) -> Tensor:
-        """:meth:`DistributedTransport.sum_` on the session's group, announced to the joined ranks."""
+    def sum_(self, tensor: Tensor, tag: Optional[Any] = None) -> Tensor:
+        """:meth:`DistributedTransport.sum_` on the session's group, announced to the joined ranks (who add zeros: their
+        tag counts nothing), then ``tag`` verified over the active ranks."""
         tracked_forward, self._tracked_forward = self._tracked_forward, False
         self.session.announce(self.layer, tensor, tracked_forward)
-        return self.session.transport.sum_(tensor)
+        total = self.session.transport.sum_(tensor)
+        if tag is not None:
+            tag.verify(total, self)
+        return total
 
-    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+    def all_reduce(self, tensors: Sequence[Tensor], tags: Optional[tuple[Any, Any, bool]] = None) -> list[Tensor]:
         """:meth:`DistributedTransport.all_reduce` (differentiable, one collective), announced in both directions."""
-        return self.session.transport.all_reduce(tensors, reducer=self)
+        return self.session.transport.all_reduce(tensors, reducer=self, tags=tags)
 
     def agreement_group(self) -> Any:
-        """The session's group while every rank is active; None once a peer has joined (the controls then check
-        each collective, and a joined rank cannot take part in a gather)."""
+        """The session's group while every rank is active; None once a peer has joined (the controls and tags then
+        check each collective, and a joined rank cannot take part in a gather)."""
         return None if self.session.peers_joined else self.session.process_group
 
 

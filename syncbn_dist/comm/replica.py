@@ -299,10 +299,12 @@ class DataParallelTransport:
         self.exchange = exchange
         self.inner = inner
 
-    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+    def all_reduce(self, tensors: Sequence[Tensor], tags: Optional[tuple[Any, Any, bool]] = None) -> list[Tensor]:
+        """The sums over every replica (and process), differentiably; ``tags``: what the master's collective over
+        processes verifies in each direction (see :meth:`DistributedTransport.all_reduce`)."""
         if isinstance(self.exchange, SyncMaster):
-            return self.exchange.run_master((list(tensors), self.inner))
-        return self.exchange.run_slave((list(tensors), None))
+            return self.exchange.run_master((list(tensors), self.inner, tags))
+        return self.exchange.run_slave((list(tensors), None, None))
 
     def agreement_group(self) -> Any:
         """Replicas of one module always agree; the master checks the process group, if any."""
@@ -315,23 +317,24 @@ def sum_replica_messages(intermediates: list[tuple[int, Any]]) -> list[tuple[int
     """The :class:`SyncMaster` callback of :class:`DataParallelTransport`: sum, reduce over processes, scatter.
 
     Args:
-        intermediates: ``[(copy_id, (tensors, inner))]``; the master's entry (copy_id 0) carries ``inner``.
+        intermediates: ``[(copy_id, (tensors, inner, tags))]``; the master's entry (copy_id 0) carries ``inner`` and
+            the ``tags`` its collective verifies.
 
     Returns:
         ``[(copy_id, totals on that replica's device)]``.
     """
-    master_tensors, inner = intermediates[0][1]
+    master_tensors, inner, tags = intermediates[0][1]
     totals = []
     for position, master_tensor in enumerate(master_tensors):
         total = master_tensor
-        for _, (tensors, _) in intermediates[1:]:
+        for _, (tensors, _, _) in intermediates[1:]:
             total = total + tensors[position].to(master_tensor.device)
         totals.append(total)
     if inner is not None:
-        totals = inner.all_reduce(totals)
+        totals = inner.all_reduce(totals, tags=tags)
     return [
         (copy_id, [total.to(tensor.device) for total, tensor in zip(totals, tensors)])
-        for copy_id, (tensors, _) in intermediates
+        for copy_id, (tensors, _, _) in intermediates
     ]
 
 

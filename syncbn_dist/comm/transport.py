@@ -42,9 +42,13 @@ class Transport(Protocol):
     #: False for a :class:`SummingTransport`, True for an :class:`ExchangeTransport`.
     differentiable_exchange: bool
 
-    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+    def all_reduce(self, tensors: Sequence[Tensor], tags: Optional[tuple[Any, Any, bool]] = None) -> list[Tensor]:
         """The sums over the members of ``tensors``, as new tensors, with one collective, differentiably: the gradients
-        of the outputs are summed over the members into those of the inputs that require grad (one collective)."""
+        of the outputs are summed over the members into those of the inputs that require grad (one collective).
+
+        ``tags`` (``(forward_tag, backward_tag, stamp)`` or None): the :class:`~syncbn_dist.comm.tags.CollectiveTag`
+        whose summed values end the flattened tensors in each direction, for a transport that verifies them where it
+        sums (:mod:`syncbn_dist.comm.tags`); a transport may ignore them (the layer verifies every total it gets)."""
 
     def agreement_group(self) -> Any:
         """The process group whose members check, before a collective, that they are at the same one; None when
@@ -59,11 +63,15 @@ class SummingTransport(Transport, Protocol):
     #: Python).
     group_name: Optional[str]
 
-    def sum_(self, tensor: Tensor) -> Tensor:
-        """The sum of ``tensor`` over the members, in place where the backend can (not differentiable)."""
+    def sum_(self, tensor: Tensor, tag: Optional[Any] = None) -> Tensor:
+        """The sum of ``tensor`` over the members, in place where the backend can (not differentiable), ``tag`` (its
+        :class:`~syncbn_dist.comm.tags.CollectiveTag`, whose values end ``tensor``) verified on the sum.
 
-    def check(self, numel: int) -> None:
-        """Called before a collective of ``numel`` values that runs inside a compiled region (not through ``sum_``)."""
+        Raises:
+            LayerMismatchError: if the members sent different tags (on every member)."""
+
+    def check(self, tag: Any) -> None:
+        """Called before the collective of ``tag`` that runs inside a compiled region (not through ``sum_``)."""
 
 
 class ExchangeTransport(Transport, Protocol):

@@ -162,8 +162,8 @@ class SyncBatchNormJoinable(Joinable):
             return
         with torch.no_grad():
             layer.num_batches_tracked.add_(1)
-            if total[-1].item() >= 2:
-                mean, _, unbiased_var, _, _ = moments_of_total(total)
+            mean, _, unbiased_var, count, _ = moments_of_total(total, layer.num_features)
+            if count.item() >= 2:
                 update_running_stats(
                     layer.running_mean, layer.running_var, mean, unbiased_var, layer._momentum_factor(False)
                 )

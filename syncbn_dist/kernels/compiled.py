@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..comm.distributed import all_reduce_sum
+from ..comm.tags import TAG_SIZE, checked_in_graph
 from ..settings import KERNELS_ENV, get_kernels
 from .compiled_kernel import _CompiledKernel
 from .statistics import invstd_and_scale, moments_of_total
@@ -195,8 +196,9 @@ def _term_dtype(x: Tensor) -> torch.dtype:
 # channel rather than recomputing them (rsqrt in float64) at every element.
 
 
-def shard_payload(x: Tensor, *, staged: bool = True) -> tuple[Tensor, Tensor]:
-    """``[sum(x) (C), sum(x**2) (C), count]`` of one shard as (2C + 1,) float64, from one pass over ``x``.
+def shard_payload(x: Tensor, tag: Optional[Tensor] = None, *, staged: bool = True) -> tuple[Tensor, Tensor]:
+    """``[sum(x) (C), sum(x**2) (C), count, tag (5)]`` of one shard as (2C + 6,) float64, from one pass over ``x``;
+    ``tag`` is the collective's tag (:mod:`syncbn_dist.comm.tags`), five float64 values (None: no tag, 2C + 1 values).
 
     The sums are taken about ``s``, the shard's first value per channel: ``d = x - s`` (float64 for float32 input,
     float32 for float16/bfloat16: :func:`_term_dtype`) is exact and small next to a large mean, so ``sum(d**2)``
@@ -218,7 +220,8 @@ def shard_payload(x: Tensor, *, staged: bool = True) -> tuple[Tensor, Tensor]:
     shift_64 = shift.to(_F64)
     absolute_sums = sums + count * shift_64
     absolute_squares = squares + shift_64 * (2.0 * sums + count * shift_64)
-    return torch.cat([absolute_sums, absolute_squares, sums.new_full((1,), count)]), shift
+    pieces = [absolute_sums, absolute_squares, sums.new_full((1,), count)]
+    return torch.cat(pieces if tag is None else [*pieces, tag]), shift
 
 
 def _first_value_per_channel(x: Tensor) -> Tensor:
@@ -247,13 +250,13 @@ def _stored(t: Tensor) -> Tensor:
 def normalize(
     x: Tensor, total: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, clip: bool
 ) -> tuple[Tensor, ...]:
-    """The output normalized with the global statistics of ``total`` (the summed payloads), and those statistics.
+    """The output normalized with the global statistics of ``total`` (the summed tagged payloads), and those statistics.
 
     Returns ``(y, mean, unbiased_var, var, count, scale)``: ``y`` in ``x``'s dtype; ``mean``, the unbiased variance
     and the normalizing variance (``max(var, eps) - eps`` when ``clip``) in the statistics dtype; the (1,) float64
     count; ``scale = weight * invstd`` (stored once per channel).
     """
-    mean, var, unbiased_var, count, _ = moments_of_total(total)
+    mean, var, unbiased_var, count, _ = moments_of_total(total, x.size(1))
     if clip:
         var = var.clamp(min=eps) - eps
     _, scale = invstd_and_scale(var, eps, weight)
@@ -297,7 +300,10 @@ def grad_input(
     whose variance was clipped (``var == 0`` as the normalizing variance) drops the ``x_hat`` term.
     """
     invstd, scale = invstd_and_scale(var.to(_F64), eps, weight)
-    mean_dy, mean_dy_xhat = (reductions / count).chunk(2)
+    num_features = x.size(1)
+    mean_dy, mean_dy_xhat, _ = (reductions / count).split_with_sizes(
+        [num_features, num_features, reductions.numel() - 2 * num_features]
+    )
     if clip:
         mean_dy_xhat = torch.where(var == 0.0, 0.0, mean_dy_xhat)
     dtype, shape = _stat_dtype(x), _channel_shape(x)
@@ -333,33 +339,51 @@ def payload_grad(
 
 def forward_region(
     x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, clip: bool, group_name: Optional[str],
-    *, staged: bool = True,
+    tag: Optional[Tensor] = None, *, staged: bool = True, verify: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> tuple[Tensor, ...]:
-    """One layer's training forward over a process group: payload, all_reduce, normalize. Returns what
-    :func:`normalize` returns, then :func:`shard_payload`'s shift (the caller drops ``scale`` and the shift, returned
-    so that they are stored, not recomputed). ``staged``: see :func:`_sum_per_channel`."""
-    payload, shift = shard_payload(x, staged=staged)
-    return (*normalize(x, all_reduce_sum(payload, group_name), weight, bias, eps, clip), shift)
+    """One layer's training forward over a process group: payload, all_reduce, normalize. Returns ``(y, mean,
+    unbiased_var, var, count)`` as :func:`normalize` does, then the summed tag (for the caller to verify: eager
+    regions; None without a ``tag``), ``scale`` and :func:`shard_payload`'s shift (returned so that they are stored,
+    not recomputed).
+    ``staged``: see :func:`_sum_per_channel`; ``verify``: checks the summed payload inside a traced graph and returns
+    it (:func:`syncbn_dist.comm.tags.checked_in_graph`)."""
+    payload, shift = shard_payload(x, tag, staged=staged)
+    total = all_reduce_sum(payload, group_name)
+    if verify is not None:
+        total = verify(total)
+    y, mean, unbiased_var, var, count, scale = normalize(x, total, weight, bias, eps, clip)
+    return y, mean, unbiased_var, var, count, _summed_tag(total, tag), scale, shift
+
+
+def _summed_tag(total: Tensor, tag: Optional[Tensor]) -> Optional[Tensor]:
+    """The summed tags at the end of ``total`` (None without a ``tag``), as a copy (a region returns no view of its own
+    intermediates)."""
+    return None if tag is None else total.narrow(0, total.numel() - TAG_SIZE, TAG_SIZE).clone()
 
 
 def backward_region(
     dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, count: Tensor, ones: Optional[Tensor],
-    eps: float, clip: bool, group_name: Optional[str], need_input: bool, *, staged: bool = True,
+    eps: float, clip: bool, group_name: Optional[str], need_input: bool, tag: Optional[Tensor] = None, *,
+    staged: bool = True, verify: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> tuple[Optional[Tensor], ...]:
     """One layer's backward over a process group: local reductions, all_reduce, grad_input. Returns
-    ``(grad_input or None, sum(dy * x_hat), sum(dy), *coefficients)``: the parameter gradients are the local sums in
-    the statistics dtype (DistributedDataParallel averages them, as with ``torch.nn.SyncBatchNorm``), and
-    :func:`grad_input`'s per-channel coefficients are returned so that they are stored, not recomputed. ``staged``:
-    see :func:`_sum_per_channel`."""
+    ``(grad_input or None, sum(dy * x_hat), sum(dy), summed tag, *coefficients)``: the parameter gradients are the
+    local sums in the statistics dtype (DistributedDataParallel averages them, as with ``torch.nn.SyncBatchNorm``),
+    the summed tag is for the caller to verify (eager regions), and :func:`grad_input`'s per-channel coefficients are
+    returned so that they are stored, not recomputed. The payload ``[sum(dy), sum(dy * x_hat), 0, tag]`` has the
+    forward's size, so that a forward meeting a backward is a tag mismatch. ``staged``: see :func:`_sum_per_channel`;
+    ``verify``: as :func:`forward_region` takes it."""
     local = grad_reductions(dy, x, mean, var, ones, eps, staged=staged)
     # In the statistics dtype here, right after the reductions, so that the compiler converts them there too.
     sum_dy, sum_dy_xhat = local.to(_stat_dtype(x)).chunk(2)
     # The collective runs whether or not grad_input is needed: every member sends the same collectives.
-    total = all_reduce_sum(local, group_name)
+    total = all_reduce_sum(local if tag is None else torch.cat([local, local.new_zeros(1), tag]), group_name)
+    if verify is not None:
+        total = verify(total)
     if not need_input:
-        return None, sum_dy_xhat, sum_dy
+        return None, sum_dy_xhat, sum_dy, _summed_tag(total, tag)
     dx, *coefficients = grad_input(dy, x, weight, mean, var, count, total, eps, clip)
-    return (dx, sum_dy_xhat, sum_dy, *coefficients)
+    return (dx, sum_dy_xhat, sum_dy, _summed_tag(total, tag), *coefficients)
 
 
 _forward_region = _CompiledKernel(forward_region)
@@ -409,51 +433,67 @@ def _affine(param: Optional[Tensor], x: Tensor, fill: float) -> Tensor:
 
 def layer_forward(
     input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, clip: bool,
-    group_name: Optional[str],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    group_name: Optional[str], tag: Any,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The training forward over the process group ``group_name`` (None: a group of one) in one compiled region.
 
-    Returns ``(output, mean, unbiased_var, var, count)`` as ``syncbn_dist.functions._SyncBatchNormFunction``'s
-    forward does: the output in the input's shape, dtype and memory format; the statistics in the statistics dtype
-    (``var`` the normalizing variance); the (1,) float64 global count.
+    Returns ``(output, mean, unbiased_var, var, count, summed_tag)``, as
+    ``syncbn_dist.layer.functions._SyncBatchNormFunction``'s forward needs them: the output in the input's shape,
+    dtype and memory format; the statistics in the statistics dtype (``var`` the normalizing variance); the (1,)
+    float64 global count; the summed tags of the collective, which the caller verifies (``tag``: its
+    :class:`~syncbn_dist.comm.tags.CollectiveTag`).
 
     Under a user's ``torch.compile`` the region's source is traced into the user's graph instead, on the input
-    itself, so that inductor fuses it with the layers around it as it fuses plain BatchNorm.
+    itself, so that inductor fuses it with the layers around it as it fuses plain BatchNorm; there ``tag`` is a
+    :class:`~syncbn_dist.comm.tags.TracedTag`, checked by an op of the graph.
     """
     if is_compiling():
-        return forward_region(input, weight, bias, eps, clip, group_name, staged=False)[:5]
+        tag_values, verify = _traced_check(tag, input)
+        return forward_region(input, weight, bias, eps, clip, group_name, tag_values, staged=False, verify=verify)[:6]
     x = _as_3d(input)
-    y, mean, unbiased_var, var, count, *_ = _forward_region(
-        x, _affine(weight, x, 1.0), _affine(bias, x, 0.0), eps, clip, group_name
+    y, mean, unbiased_var, var, count, summed_tag, *_ = _forward_region(
+        x, _affine(weight, x, 1.0), _affine(bias, x, 0.0), eps, clip, group_name, tag.tail(x.device, None)
     )
-    return _in_shape_of(y, input), mean, unbiased_var, var, count
+    return _in_shape_of(y, input), mean, unbiased_var, var, count, summed_tag
+
+
+def _traced_check(tag: Any, input: Tensor) -> tuple[Tensor, Optional[Callable[[Tensor], Tensor]]]:
+    """The tag's values as a constant of the traced graph, and the op that checks a summed payload there (None for a
+    collective without peers, :data:`~syncbn_dist.comm.tags.NO_TAG`)."""
+    values = torch.tensor(tag.values, dtype=_F64, device=input.device)
+    return values, None if tag.index < 0 else functools.partial(checked_in_graph, tag_index=tag.index)
 
 
 def layer_backward(
     grad_output: Tensor, input: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, count: Tensor,
-    eps: float, clip: bool, group_name: Optional[str], need_input: bool,
-) -> tuple[Optional[Tensor], Tensor, Tensor]:
+    eps: float, clip: bool, group_name: Optional[str], need_input: bool, tag: Any,
+) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor]:
     """The backward of :func:`layer_forward` in one compiled region; ``grad_output`` in the input's memory format.
 
-    Returns ``(grad_input or None, sum(dy * x_hat), sum(dy))``, the last two the (C,) local sums in the statistics
-    dtype (accumulated in float64). Under a
-    user's ``torch.compile``, the region's source traced into the user's graph (see :func:`layer_forward`).
+    Returns ``(grad_input or None, sum(dy * x_hat), sum(dy), summed_tag)``, the sums the (C,) local sums in the
+    statistics dtype (accumulated in float64), the summed tags for the caller to verify (``tag``: as
+    :func:`layer_forward` takes it). Under a user's ``torch.compile``, the region's source traced into the user's
+    graph (see :func:`layer_forward`).
     """
     if is_compiling():
+        tag_values, verify = _traced_check(tag, input)
         return backward_region(
-            grad_output, input, weight, mean, var, count, None, eps, clip, group_name, need_input, staged=False
-        )[:3]
+            grad_output, input, weight, mean, var, count, None, eps, clip, group_name, need_input, tag_values,
+            staged=False, verify=verify,
+        )[:4]
     x = _as_3d(input)
-    dx, sum_dy_xhat, sum_dy, *_ = _backward_region(
+    dx, sum_dy_xhat, sum_dy, summed_tag, *_ = _backward_region(
         _as_3d(grad_output), x, _affine(weight, x, 1.0), mean, var, count, channel_ones(x), eps, clip, group_name,
-        need_input,
+        need_input, tag.tail(x.device, None),
     )
-    return None if dx is None else _in_shape_of(dx, input), sum_dy_xhat, sum_dy
+    return None if dx is None else _in_shape_of(dx, input), sum_dy_xhat, sum_dy, summed_tag
 
 
-def payload(input: Tensor) -> Tensor:
-    """:func:`shard_payload` compiled: the (2C + 1,) float64 ``[sum(x), sum(x**2), count]`` of one shard."""
-    return _shard_payload(_as_3d(input))[0]
+def payload(input: Tensor, tag: Optional[Any] = None) -> Tensor:
+    """:func:`shard_payload` compiled: the (2C + 6,) float64 ``[sum(x), sum(x**2), count, tag]`` of one shard
+    (``tag``: the collective's :class:`~syncbn_dist.comm.tags.CollectiveTag`; None: (2C + 1,), untagged)."""
+    x = _as_3d(input)
+    return _shard_payload(x, None if tag is None else tag.tail(x.device, None))[0]
 
 
 def normalized(

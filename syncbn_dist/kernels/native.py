@@ -9,7 +9,7 @@ native kernels, so a layer costs few dispatches; the statistics they take come f
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -49,27 +49,35 @@ def local_payload(input: Tensor) -> Tensor:
     return _local_payload(input, is_compiling())
 
 
-def _local_payload(input: Tensor, compiling: bool) -> Tensor:
-    """:func:`local_payload`, ``compiling`` being the caller's :func:`is_compiling`."""
+def _local_payload(input: Tensor, compiling: bool, tag: Optional[Any] = None) -> Tensor:
+    """:func:`local_payload`, ``compiling`` being the caller's :func:`is_compiling`; with ``tag`` (a
+    :class:`~syncbn_dist.comm.tags.CollectiveTag`), the payload of a tagged collective: ``[sum (C), sum of squares
+    (C), count, tag (5)]``."""
     num_features = input.size(1)
     count = input.numel() // num_features if num_features else 0
     if count == 0:
         # Zeros made from the input, not a constant: under torch.compile two constant payloads of equal size would
         # be merged into one collective (common-subexpression elimination), leaving this rank a collective short.
-        return input.new_zeros(2 * num_features + 1, dtype=COMBINE_DTYPE)
+        zeros = input.new_zeros(2 * num_features + (1 if tag is None else 0), dtype=COMBINE_DTYPE)
+        return zeros if tag is None else torch.cat([zeros, tag.tail(input.device, 0.0)])
     if not compiling:
-        return _eager_payload(input, count)
+        return _eager_payload(input, count, tag)
     # batch_norm_update_stats has no fake-tensor kernel for dynamic shapes; var_mean traces everywhere.
     var, mean = torch.var_mean(input.to(COMBINE_DTYPE), [0, *range(2, input.dim())], correction=0)
-    return payload_of(mean, var, count)
+    payload = payload_of(mean, var, count)
+    return payload if tag is None else torch.cat([payload, tag.tail(input.device, None)])
 
 
-def _eager_payload(input: Tensor, count: int) -> Tensor:
+def _eager_payload(input: Tensor, count: int, tag: Optional[Any]) -> Tensor:
     """:func:`local_payload` of a non-empty shard in eager mode (``count`` values per channel): six ops on the
     op-lean path (the float64 copy, its statistics, and :func:`_payload_of`'s four, written out here)."""
     if _lean_regime(input) and input.dtype == torch.float32 and input.is_contiguous() and input.dim() > 2:
-        return _copy_free_payload(input, count)
+        return _copy_free_payload(input, count, tag)
     mean, var = torch.batch_norm_update_stats(input.to(COMBINE_DTYPE), None, None, 0.0)
+    if tag is not None:  # [mean, mean of squares, 1, tag], its first 2C + 1 values scaled by the count: three ops
+        payload = torch.cat([mean, torch.addcmul(var, mean, mean), tag.tail(input.device, 1.0)])
+        payload.narrow(0, 0, 2 * mean.numel() + 1).mul_(count)
+        return payload
     return torch.constant_pad_nd(torch.cat([mean, torch.addcmul(var, mean, mean)]), (0, 1), 1.0).mul_(count)
 
 
@@ -89,8 +97,9 @@ def _lean_regime(input: Tensor) -> bool:
     )
 
 
-def _copy_free_payload(input: Tensor, count: int) -> Tensor:
-    """:func:`local_payload` of a contiguous float32 CPU (N, C, *spatial) shard without a float64 copy.
+def _copy_free_payload(input: Tensor, count: int, tag: Optional[Any] = None) -> Tensor:
+    """:func:`local_payload` of a contiguous float32 CPU (N, C, *spatial) shard without a float64 copy (with ``tag``:
+    tagged, see :func:`_local_payload`).
 
     ``torch.batch_norm_update_stats`` gives the float32 mean ``m`` and the variance ``v`` about ``m`` (accumulated
     in double on this layout); the eval-mode ``native_batch_norm_backward`` with an expanded ones as ``dy`` gives
@@ -107,6 +116,8 @@ def _copy_free_payload(input: Tensor, count: int) -> Tensor:
     mean = mean.to(COMBINE_DTYPE)
     sums = torch.add(offset.to(COMBINE_DTYPE), mean, alpha=count)
     squares = torch.addcmul(var.to(COMBINE_DTYPE) * count, mean, sums + offset)
+    if tag is not None:
+        return torch.cat([sums, squares, sums.new_full((1,), float(count)), tag.tail(input.device, None)])
     return torch.constant_pad_nd(torch.cat([sums, squares]), (0, 1), float(count))
 
 
@@ -201,7 +212,8 @@ def _grad_input(
     Args:
         grad_output: (N, C, *) ``dy``; input: (N, C, *); weight: (C,) or None.
         mean, var: (C,) global statistics in the kernels' dtype (``var`` as :func:`_normalizing_var` gives it).
-        count: (1,) float64 global count; reductions: (2C,) float64 global ``[sum(dy), sum(dy * x_hat)]``.
+        count: (1,) float64 global count; reductions: float64 global ``[sum(dy), sum(dy * x_hat)]`` (2C values,
+            and whatever follows them in the summed payload: its tag).
         clipped: (C,) bool, channels whose variance was clipped to eps ("clip" mode), or None.
         invstd: CUDA only, ``rsqrt(var + eps)`` (computed here if not given).
     """
@@ -211,7 +223,7 @@ def _grad_input(
     if input.is_cuda:
         # torch.nn.SyncBatchNorm's CUDA kernel: it divides the sums by the total of the counts it is given (int32),
         # and takes sum(dy * (x - mean)) = sum(dy * x_hat) / invstd.
-        sum_dy, sum_dy_xhat = reductions.to(mean.dtype).chunk(2)
+        sum_dy, sum_dy_xhat = _two_sums(reductions.to(mean.dtype), input.size(1))
         if clipped is not None:  # a clipped channel's invstd does not depend on x: its x_hat term vanishes
             sum_dy_xhat = sum_dy_xhat.masked_fill(clipped, 0.0)
         if invstd is None:
@@ -220,7 +232,7 @@ def _grad_input(
             grad_output, input, mean, invstd, _as_stat(weight, mean), sum_dy, sum_dy_xhat / invstd,
             count.to(torch.int32),
         )
-    mean_dy, mean_dy_xhat = (reductions / count).to(mean.dtype).chunk(2)
+    mean_dy, mean_dy_xhat = _two_sums((reductions / count).to(mean.dtype), input.size(1))
     if clipped is not None:
         # A clipped channel's invstd does not depend on x: its x_hat term vanishes.
         mean_dy_xhat = mean_dy_xhat.masked_fill(clipped, 0.0)
@@ -241,6 +253,15 @@ def _grad_input(
         centred, input, weight, mean, var, None, None, False, eps, [True, False, False]
     )
     return grad_input
+
+
+def _two_sums(reductions: Tensor, num_features: int) -> tuple[Tensor, Tensor]:
+    """The two (C,) sums at the start of ``reductions`` (one op: a split, or a chunk where nothing follows them)."""
+    if reductions.numel() == 2 * num_features:
+        return reductions.chunk(2)  # type: ignore[return-value]
+    rest = reductions.numel() - 2 * num_features
+    sums, sums_xhat, _ = reductions.split_with_sizes([num_features, num_features, rest])
+    return sums, sums_xhat
 
 
 def _scaled_grad_and_reductions(

@@ -22,7 +22,9 @@ __all__ = ["COMBINE_DTYPE", "invstd_and_scale", "moments_of_total", "payload_of"
 COMBINE_DTYPE = torch.float64
 
 
-def moments_of_total(total: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def moments_of_total(
+    total: Tensor, num_features: Optional[int] = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The global statistics of a summed payload, in float64.
 
     ``M2 = sum(x**2) - sum(x) * mean`` combines the members' exact sums about the global mean (Chan et al. 1979).
@@ -30,21 +32,24 @@ def moments_of_total(total: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Ten
     it divides by).
 
     Args:
-        total: (2C + 1,) float64, the payloads ``[sum (C), sum of squares (C), count]`` summed over the members (or
-            any such triple: the double backward's sums about a shift).
+        total: float64, the payloads ``[sum (C), sum of squares (C), count]`` summed over the members, followed by
+            their summed collective tags (:mod:`syncbn_dist.comm.tags`) when ``num_features`` is given (or any such
+            triple: the double backward's sums about a shift).
+        num_features: C, where ``total`` carries a tag after the count; None: ``total`` is (2C + 1,), untagged.
 
     Returns:
-        ``(mean, var, unbiased_var, count, empty)``: the mean and the biased and unbiased variances, (C,); the (1,)
-        count (a view of ``total``); and an empty float64 view of ``total``, free to make (a fourth piece of the
-        split), with which a ``torch.cat`` promotes to float64. A count of 0 gives NaNs, of 1 an infinite unbiased
-        variance: the callers check the count.
+        ``(mean, var, unbiased_var, count, tag)``: the mean and the biased and unbiased variances, (C,); the (1,)
+        count (a view of ``total``); and the view of the summed tag (empty for an untagged total). A count of 0
+        gives NaNs, of 1 an infinite unbiased variance: the callers check the count.
     """
-    num_features = total.numel() // 2
-    sums, squares, count, empty = total.split_with_sizes([num_features, num_features, 1, 0])
+    if num_features is None:
+        num_features = total.numel() // 2
+    sizes = [num_features, num_features, 1, total.numel() - 2 * num_features - 1]
+    sums, squares, count, tag = total.split_with_sizes(sizes)
     mean = sums / count
     m2 = torch.addcmul(squares, sums, mean, value=-1.0)
     var, unbiased_var = torch._foreach_div([m2, m2], [count, count - 1.0])
-    return mean, var, unbiased_var, count, empty
+    return mean, var, unbiased_var, count, tag
 
 
 def invstd_and_scale(var: Tensor, eps: float, weight: Optional[Tensor]) -> tuple[Tensor, Tensor]:

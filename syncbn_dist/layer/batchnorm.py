@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any, Optional, Sequence, Union
 
@@ -20,9 +21,10 @@ from ..comm import (
     distributed_transport,
     new_sync_master,
 )
-from ..comm.agreement import CheckedTransport, LayerAgreement, agreement_of, collective_key, verify_while_tracing
-from ..comm.distributed import cached_distributed_transport
+from ..comm.agreement import CheckedTransport, LayerAgreement, agreement_of, check_due, verify, verify_while_tracing
+from ..comm.distributed import cached_distributed_transport, process_group_missing
 from ..comm.join_session import JoinBinding, JoinTransport
+from ..comm.tags import FORWARD, FORWARD_WITHOUT_BACKWARD, NO_TAG, CollectiveTag, layer_tags, traced_tags
 from ..kernels.tracing import eager_replica_thread, is_compiling
 from .functions import Transport, _sync_batch_norm
 from .replay import RecordingTransport, ReplayTransport
@@ -42,16 +44,16 @@ class _SoloTransport:
     differentiable_exchange = False
     group_name = None  # the compiled kernels' name for a group of one: no collective
 
-    def sum_(self, tensor: Tensor) -> Tensor:
+    def sum_(self, tensor: Tensor, tag: Optional[CollectiveTag] = None) -> Tensor:
         return tensor
 
-    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+    def all_reduce(self, tensors: Sequence[Tensor], tags: Optional[tuple[Any, Any, bool]] = None) -> list[Tensor]:
         return list(tensors)
 
     def agreement_group(self) -> None:
         return None
 
-    def check(self, numel: int) -> None:
+    def check(self, tag: Any) -> None:
         return None
 
 
@@ -85,7 +87,8 @@ class SyncBatchNorm(_BatchNorm):
             batch statistics in eval mode too. Default: ``True``
         process_group: the ``torch.distributed`` group to synchronize over; None means the world group.
             Default: ``None``
-        device, dtype: factory arguments for parameters and buffers. Default: ``None``
+        device: the device of the parameters and buffers (a factory argument). Default: ``None``
+        dtype: the dtype of the parameters and buffers (a factory argument). Default: ``None``
 
     Shape:
         - Input: :math:`(N, C, *)` with at least 2 dimensions; N may be 0 and may differ across members.
@@ -234,29 +237,36 @@ class SyncBatchNorm(_BatchNorm):
             settled = None if agreement is None else agreement.settled
             if settled is None or settled[0] is not inner or settled[1] is not input.dtype or settings._DEBUG:
                 inner = self._checked(inner, input.dtype)
+        elif inner is None and not compiling and process_group_missing():
+            _warn_missing_process_group(self._describe())
         exchange = self._replica_exchange
         if exchange is not None and (isinstance(exchange, SlavePipe) or exchange.nr_slaves > 0):
             return DataParallelTransport(exchange, inner)
         return inner
 
     def _checked(self, transport: Any, dtype: torch.dtype) -> Any:
-        """``transport``, in a CheckedTransport while a collective of this layer on it needs the agreement check."""
-        if self._agreement_pending(transport, dtype):
-            return CheckedTransport(transport, agreement_of(self), self.num_features, dtype, self._describe())
-        if transport.agreement_group() is not None:
-            agreement_of(self).settled = (transport, dtype)
-        return transport
-
-    def _agreement_pending(self, transport: Any, dtype: torch.dtype) -> bool:
-        """Whether a collective of this layer on ``transport`` still needs the agreement check (comm/agreement.py)."""
+        """``transport``, in a CheckedTransport while its group's collectives are gathered and checked before they run
+        (the group's first step, or debug mode: :func:`~syncbn_dist.comm.agreement.check_due`)."""
         group = transport.agreement_group()
         if group is None:
-            return False
-        agreement, forward = agreement_of(self), 2 * self.num_features + 1
-        return not (
-            agreement.is_verified(group, collective_key(self.num_features, dtype, forward))
-            and agreement.is_verified(group, collective_key(self.num_features, dtype, forward - 1))
-        )
+            return transport
+        if check_due(group):
+            return CheckedTransport(transport, self._agreement_key(dtype), self._describe())
+        agreement_of(self).settled = (transport, dtype)
+        return transport
+
+    def _agreement_key(self, dtype: torch.dtype) -> str:
+        return f"num_features={self.num_features} dtype={dtype}"
+
+    def _identity(self) -> str:
+        """What names this layer alike on every rank: its qualified name in the model (set by convert_model), else its
+        class and width. Nothing that depends on the process's history (the order layers were made in, which differs
+        where one rank builds a model more) names a layer, so that ranks never disagree about the same layer; an
+        unnamed layer is told from another unnamed one of the same class and width only by the direction."""
+        name = self.__dict__.get("_qualified_name")
+        if name is not None:
+            return name
+        return f"{self._describe()}, num_features={self.num_features}"
 
     def forward(self, input: Tensor) -> Tensor:
         """Normalize ``input`` (N, C, *) with local, process-group or replica-wide statistics.
@@ -325,9 +335,9 @@ class SyncBatchNorm(_BatchNorm):
         """Before raising ``error`` here: where this collective would have been checked, the peers check with this
         rank's error instead, so every member raises (LayerMismatchError, on the members whose input is good)."""
         group = None if transport is None or compiling else transport.agreement_group()
-        if group is not None and self._agreement_pending(transport, input.dtype):
-            key = collective_key(self.num_features, input.dtype, 2 * self.num_features + 1)
-            agreement_of(self).verify(group, key, self._describe(), error=str(error))
+        if group is not None and check_due(group):
+            tag = self._tags_of_call(input, self.weight, self.bias, transport, False)[0]
+            verify(group, tag, self._agreement_key(input.dtype), self._describe(), error=str(error))
 
     def _eps_mode(self) -> str:
         return settings._EPS_MODE if self.eps_mode is None else settings._resolve_eps_mode(self.eps_mode)
@@ -335,19 +345,11 @@ class SyncBatchNorm(_BatchNorm):
     def _sync_forward(self, input: Tensor, transport: Transport, compiling: bool) -> Tensor:
         """The synchronized training forward; ``torch.compile`` traces it whole on the distributed transport.
 
-        Under compilation the agreement check runs once, while the graph is traced (every member traces its first
-        call at the same layer, so all of them take part); see :func:`syncbn_dist.comm.agreement`.
+        Under compilation the agreement check runs while the graph is traced (every member traces its first
+        compilation at the same layer, so all of them take part); see :mod:`syncbn_dist.comm.agreement`.
         """
-        if compiling and transport is not _SOLO:  # a group of one ("clip" with no peers) has nobody to agree with
-            forward = 2 * self.num_features + 1
-            verify_while_tracing(
-                transport.process_group,  # (None for the world: Dynamo hands the real world group over as fake)
-                collective_key(self.num_features, input.dtype, forward),
-                collective_key(self.num_features, input.dtype, forward - 1),
-                self._describe(),
-                self._agreement_owner(),
-            )
-        # (Eager: a CheckedTransport checks before each collective, until both directions are verified.)
+        weight, bias = self.weight, self.bias
+        tags = self._tags_of_call(input, weight, bias, transport, compiling)
         # DataParallel slaves leave the buffers to the master, whose buffers are the original module's.
         owns_buffers = not isinstance(self._replica_exchange, SlavePipe)
         track = self.track_running_stats and self.running_mean is not None and owns_buffers
@@ -363,8 +365,8 @@ class SyncBatchNorm(_BatchNorm):
             transport = RecordingTransport(transport, self._replay_records)
         return _sync_batch_norm(
             input,
-            self.weight,
-            self.bias,
+            weight,
+            bias,
             self.running_mean if track else None,
             self.running_var if track else None,
             momentum,
@@ -372,7 +374,43 @@ class SyncBatchNorm(_BatchNorm):
             transport,
             self._eps_mode(),
             compiling,
+            tags,
         )
+
+    def _tags_of_call(
+        self, input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], transport: Any, compiling: bool
+    ) -> tuple[Any, Any]:
+        """The :class:`~syncbn_dist.comm.tags.CollectiveTag` of this call's forward and backward collectives, looked up
+        once per direction and name (a layer renamed by convert_model gets new ones); while ``torch.compile`` traces
+        the call, as constants of the graph (:class:`~syncbn_dist.comm.tags.TracedTag`) from the trace-time agreement
+        check.
+
+        The forward's direction says whether autograd will run its backward (and with it the backward's collective),
+        which every member must agree on: a forward under ``no_grad`` on one rank meets a training forward on another.
+        """
+        with_backward = torch.is_grad_enabled() and (
+            input.requires_grad
+            or (weight is not None and weight.requires_grad)
+            or (bias is not None and bias.requires_grad)
+        )
+        forward = FORWARD if with_backward else FORWARD_WITHOUT_BACKWARD
+        if not compiling:
+            cache = (self._agreement or agreement_of(self)).tags
+            key = (forward, self.__dict__.get("_qualified_name"))
+            tags = cache.get(key)
+            if tags is None:
+                tags = cache[key] = layer_tags(self._identity(), self._describe(), forward)
+            return tags
+        if transport is _SOLO:  # a group of one ("clip" with no peers): no collective to tag
+            return NO_TAG, NO_TAG
+        constants = verify_while_tracing(
+            transport.process_group,  # (None for the world: Dynamo hands the real world group over as fake)
+            self._identity(),
+            forward,
+            self._agreement_key(input.dtype),
+            self._describe(),
+        )
+        return traced_tags(constants)
 
     def _momentum_factor(self, compiling: bool) -> Union[float, Tensor]:
         """``momentum``, or for a cumulative average (momentum None) ``1 / num_batches_tracked``.
@@ -413,9 +451,10 @@ class SyncBatchNorm(_BatchNorm):
             )
         if self._replica_exchange is not None:
             transport = ReplayTransport(transport.name, self._replay_records, self._describe_replica())
-        return _sync_batch_norm(
-            input, self.weight, self.bias, None, None, 0.0, self.eps, transport, self._eps_mode(), False
-        )
+        weight, bias = self.weight, self.bias
+        tags = self._tags_of_call(input, weight, bias, transport, False)
+        eps_mode = self._eps_mode()
+        return _sync_batch_norm(input, weight, bias, None, None, 0.0, self.eps, transport, eps_mode, False, tags)
 
     def _describe(self) -> str:
         name = self.__dict__.get("_qualified_name") or "<unnamed>"
@@ -429,6 +468,23 @@ class SyncBatchNorm(_BatchNorm):
         exchange = self._replica_exchange
         copy_id = exchange.identifier if isinstance(exchange, SlavePipe) else 0
         return f"{self._describe()} on DataParallel replica {copy_id}"
+
+
+_WARNED_NO_GROUP: list[bool] = [False]
+
+
+def _warn_missing_process_group(description: str) -> None:
+    """Warn once per process: torchrun says this is one process of several, but torch.distributed is not initialized."""
+    if _WARNED_NO_GROUP[0]:
+        return
+    _WARNED_NO_GROUP[0] = True
+    warnings.warn(
+        f"syncbn_dist: {description} trains with local statistics: the environment says this is one of "
+        f"{settings.launched_world_size()} processes (WORLD_SIZE), but torch.distributed is not initialized. Call "
+        "torch.distributed.init_process_group before the first training forward to synchronize BatchNorm",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _is_recomputing() -> bool:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function
 
+from ..comm.tags import TAG_SIZE
 from ..comm.transport import Transport
 from ..kernels import compiled as kernels
 from ..kernels.compiled import _channel_shape, _reduced_dims, _stat_dtype
@@ -25,9 +26,9 @@ from ..kernels.native import (
     _as_stat,
     _batch_norm_inference,
     _like_input,
+    _local_payload,
     _normalizing_var,
     _scaled_grad_and_reductions,
-    local_payload,
 )
 from ..kernels.statistics import COMBINE_DTYPE, invstd_and_scale, moments_of_total
 from ..kernels.tracing import _functorch_wrapped, is_compiling
@@ -52,13 +53,15 @@ def _apply(function: type[Function], *args: Any) -> Any:
 
 
 class _BackwardLink:
-    """The kernel choice of the call, and the global statistics, filled by the caller after the exchange and read by
-    ``_LocalPayload.backward`` (they are known only after ``_LocalPayload.forward`` ran)."""
+    """What the call's two Functions share: the kernel choice, the collective tags (forward, backward), the transport
+    (whose ``agreement_group`` can name every member's collective on a mismatch), and the global statistics, filled by
+    the caller after the exchange and read by ``_LocalPayload.backward`` (they are known only after
+    ``_LocalPayload.forward`` ran)."""
 
-    __slots__ = ("compiled", "mean", "var", "eps")
+    __slots__ = ("compiled", "tags", "transport", "mean", "var", "eps")
 
-    def __init__(self, compiled: bool) -> None:
-        self.compiled = compiled
+    def __init__(self, compiled: bool, tags: tuple[Any, Any], transport: Any) -> None:
+        self.compiled, self.tags, self.transport = compiled, tags, transport
         self.mean: Optional[Tensor] = None
         self.var: Optional[Tensor] = None
         self.eps = 0.0
@@ -67,7 +70,9 @@ class _BackwardLink:
 class _LocalPayload(Function):
     """input -> (:func:`local_payload`, alias of input), with its exact vector-Jacobian product.
 
-    The payload is ``[sum(x), sum(x**2), count]`` per channel, so ``grad_input = grad_alias + g_sum + 2 x g_sumsq``.
+    The payload is ``[sum(x), sum(x**2), count]`` per channel, then the forward's tag (:mod:`syncbn_dist.comm.tags`),
+    so ``grad_input = grad_alias + g_sum + 2 x g_sumsq``; the gradient of the tag's values carries the summed backward
+    tags instead (``_Normalize`` stamps them), which this backward verifies.
     That is evaluated as ``grad_alias + 2 (x - mean) g_sumsq + (g_sum + 2 mean g_sumsq)`` about the global mean
     (the same value without the cancellation of a large mean), by one native inference batch norm. Being the true
     product at every order, it can be differentiated again (double backward).
@@ -76,8 +81,8 @@ class _LocalPayload(Function):
     @staticmethod
     def forward(input: Tensor, link: _BackwardLink) -> tuple[Tensor, Tensor]:
         if link.compiled:
-            return kernels.payload(input), input.view_as(input)
-        return local_payload(input), input.view_as(input)
+            return kernels.payload(input, link.tags[0]), input.view_as(input)
+        return _local_payload(input, False, link.tags[0]), input.view_as(input)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Tensor, _BackwardLink], output: tuple[Tensor, Tensor]) -> None:
@@ -87,26 +92,27 @@ class _LocalPayload(Function):
 
     @staticmethod
     def jvp(ctx: Any, input_tangent: Optional[Tensor], _: None) -> tuple[Optional[Tensor], Optional[Tensor]]:
-        """The payload's tangent ``[sum(dx), 2 sum(x dx), 0]`` in float64, and ``dx`` for the alias."""
+        """The payload's tangent ``[sum(dx), 2 sum(x dx), 0, 0 (tag)]`` in float64, and ``dx`` for the alias."""
         if input_tangent is None:
             return None, None
         (input,) = ctx.saved_tensors
         dims = _reduced_dims(input)
         tangent = input_tangent.to(COMBINE_DTYPE)
         sums = torch.cat([tangent.sum(dims), 2.0 * (input.to(COMBINE_DTYPE) * tangent).sum(dims)])
-        return F.pad(sums, (0, 1)), input_tangent.view_as(input_tangent)
+        return F.pad(sums, (0, 1 + TAG_SIZE)), input_tangent.view_as(input_tangent)
 
     @staticmethod
     def backward(ctx: Any, grad_payload: Tensor, grad_alias: Tensor) -> tuple[Any, ...]:
         (input,) = ctx.saved_tensors
-        grad_sum, grad_sumsq, _ = grad_payload.split([input.size(1), input.size(1), 1])
+        link: _BackwardLink = ctx.link
+        link.tags[1].verify(grad_payload.detach(), link.transport)  # the backward tags, summed over every member
+        grad_sum, grad_sumsq, _, _ = grad_payload.split([input.size(1), input.size(1), 1, TAG_SIZE])
         shape = _channel_shape(input)
         if torch.is_grad_enabled():  # backward(create_graph=True): the same product, in recorded ops
             through_payload = grad_sum.view(shape) + 2.0 * input.to(COMBINE_DTYPE) * grad_sumsq.view(shape)
             return grad_alias + through_payload.to(grad_alias.dtype), None
         if input.numel() == 0:
             return grad_alias, None
-        link: _BackwardLink = ctx.link
         mean, var = link.mean, link.var
         if link.compiled:
             grad_alias = _like_input(grad_alias, input)
@@ -123,7 +129,8 @@ class _Normalize(Function):
 
     The statistics arrive as ``mean`` and ``var`` (computed from ``total`` without grad), but the output is a
     function of ``total``: ``mean = S / N`` and ``var = Q / N - mean**2``, so backward sends ``total`` the gradient
-    ``[g_S, g_Q, 0]`` of those, from this member's ``sum(dy)`` and ``sum(dy * x_hat)``. The transport's
+    ``[g_S, g_Q, 0]`` of those, from this member's ``sum(dy)`` and ``sum(dy * x_hat)``, then the backward's tag in
+    place of the zero gradient of the forward's (which the output does not depend on). The transport's
     differentiable exchange sums it over the members, and ``_LocalPayload`` turns it into the global-batch
     ``grad_input``. Weight and bias gradients are the local sums (DataParallel sums the replicas' gradients).
     """
@@ -138,16 +145,16 @@ class _Normalize(Function):
         var: Tensor,
         eps: float,
         clipped: Optional[Tensor],
-        compiled: bool,
+        link: _BackwardLink,
     ) -> Tensor:
-        if compiled:
+        if link.compiled:
             return kernels.normalized(input, total, weight, bias, eps, clipped is not None)
         return _batch_norm_inference(input, _as_stat(weight, mean), _as_stat(bias, mean), mean, var, eps)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        input, weight, bias, total, mean, var, eps, clipped, compiled = inputs
-        ctx.eps, ctx.clipped, ctx.compiled = eps, clipped, compiled
+        input, weight, bias, total, mean, var, eps, clipped, link = inputs
+        ctx.eps, ctx.clipped, ctx.compiled, ctx.link = eps, clipped, link.compiled, link
         ctx.param_dtype = mean.dtype if weight is None else weight.dtype
         ctx.save_for_backward(input, weight, bias, total, mean, var)
         ctx.save_for_forward(input, weight, total, mean, var)
@@ -169,7 +176,8 @@ class _Normalize(Function):
         shift = torch.zeros_like(invstd) if bias_tangent is None else bias_tangent.to(COMBINE_DTYPE)
         if total_tangent is not None:
             num_features = input.size(1)
-            sums, squares, _ = (total_tangent / total[-1:]).split([num_features, num_features, 1])
+            count = total.narrow(0, 2 * num_features, 1)
+            sums, squares, _, _ = (total_tangent / count).split([num_features, num_features, 1, TAG_SIZE])
             mean_tangent = sums
             var_tangent = torch.addcmul(squares, mean.to(COMBINE_DTYPE), sums, value=-2.0)
             if ctx.clipped is not None:
@@ -202,9 +210,10 @@ class _Normalize(Function):
             grad_var = (-0.5 * scale * invstd) * sum_dy_xhat.to(COMBINE_DTYPE)
             if ctx.clipped is not None:  # a clipped channel normalizes by eps, whatever its variance
                 grad_var = grad_var.masked_fill(ctx.clipped, 0.0)
-            count = total[-1:]
+            count = total.narrow(0, 2 * input.size(1), 1)
             grad_sum = torch.addcmul(grad_mean, mean.to(COMBINE_DTYPE), grad_var, value=-2.0) / count
-            grad_total = F.pad(torch.cat([grad_sum, grad_var / count]), (0, 1))
+            tail = ctx.link.tags[1].tail(total.device, 0.0)  # [0 (the count's), the backward's tag]
+            grad_total = torch.cat([grad_sum, grad_var / count, tail])
         return scaled, grad_weight, grad_bias, grad_total, None, None, None, None, None
 
 
@@ -213,11 +222,12 @@ def _recorded_normalize_backward(ctx: Any, grad_output: Tensor) -> list[Optional
 
     The statistics take their values from the forward's (exact) ``mean`` and ``var`` and their derivatives from
     ``S / N`` and ``Q / N - (S / N)**2``: ``c + (f - f.detach())`` has the value ``c`` and every derivative of ``f``
-    (none on a clipped channel, which normalizes by eps).
+    (none on a clipped channel, which normalizes by eps). The gradient of ``total`` carries the backward's tag in
+    place of the (zero) gradient of the forward's, as in ``_Normalize.backward``.
     """
     input, weight, bias, total, mean, var = ctx.saved_tensors
     with torch.enable_grad():
-        batch_mean, var_change, _, _, _ = moments_of_total(total)
+        batch_mean, var_change, _, _, _ = moments_of_total(total, input.size(1))
         var_change = var_change - var_change.detach()
         if ctx.clipped is not None:
             var_change = var_change.masked_fill(ctx.clipped, 0.0)
@@ -232,7 +242,11 @@ def _recorded_normalize_backward(ctx: Any, grad_output: Tensor) -> list[Optional
         candidates = (input, weight, bias, total)
         wrt = [t for t, need in zip(candidates, ctx.needs_input_grad[:4]) if need]
         found = iter(torch.autograd.grad(output, wrt, grad_output.to(output.dtype), create_graph=True))
-    return [next(found) if need else None for need in ctx.needs_input_grad[:4]]
+        grads = [next(found) if need else None for need in ctx.needs_input_grad[:4]]
+        if grads[3] is not None:
+            tail = ctx.link.tags[1].tail(total.device, 0.0)
+            grads[3] = torch.cat([grads[3].narrow(0, 0, grads[3].numel() - tail.numel()), tail])
+    return grads
 
 
 def _sync_batch_norm_differentiable(
@@ -243,17 +257,20 @@ def _sync_batch_norm_differentiable(
     eps_mode: str,
     transport: Transport,
     compiled: bool,
+    tags: tuple[Any, Any],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The two-Function path around a differentiable transport edge (DataParallel replicas); ``compiled``: the call's
-    kernel choice (:func:`~syncbn_dist.kernels.compiled.takes_compiled_kernels`), made once for its four passes."""
-    link = _BackwardLink(compiled)
+    kernel choice (:func:`~syncbn_dist.kernels.compiled.takes_compiled_kernels`), made once for its four passes;
+    ``tags``: the forward's and backward's :class:`~syncbn_dist.comm.tags.CollectiveTag`, verified on every total."""
+    link = _BackwardLink(compiled, tags, transport)
     payload, alias = _apply(_LocalPayload, input, link)
-    (total,) = transport.all_reduce([payload])
-    _checked_count(total.detach(), input)
+    (total,) = transport.all_reduce([payload], tags=(*tags, False))
     with torch.no_grad():
-        mean, var, unbiased_var, _, _ = _global_statistics_as(total, _stat_dtype(input))
+        tags[0].verify(total, transport)
+        mean, var, unbiased_var, count = _global_statistics_as(total, _stat_dtype(input), input.size(1))
+        _checked_count(count, input)
         clipped = None if eps_mode == "plus" else var < eps
         var = _normalizing_var(var, eps, eps_mode)
         link.mean, link.var, link.eps = mean, var, eps
-    output = _apply(_Normalize, alias, weight, bias, total, mean, var, eps, clipped, compiled)
+    output = _apply(_Normalize, alias, weight, bias, total, mean, var, eps, clipped, link)
     return output, mean, unbiased_var

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
+from ..comm.tags import RECORDED_ADJOINT, RECORDED_BACKWARD, TANGENT, layer_tags
 from ..comm.transport import UNREACHABLE, Transport
 from ..kernels import compiled as kernels
 from ..kernels.compiled import NATIVE, _channel_shape, _reduced_dims, _stat_dtype
@@ -76,10 +77,12 @@ class _SyncBatchNormFunction(Function):
     """input -> output with global statistics, one collective per direction (the ``sum_`` transports).
 
     Forward returns the output, then, all non-differentiable: the mean and the unbiased variance (running
-    statistics), the normalizing variance, the (1,) float64 global count and an empty float64 tensor (for backward,
-    whose ``torch.cat`` of the payload it casts to float64). Weight and bias gradients are the local sums: DDP
-    averages parameter gradients over ranks, as with ``torch.nn.SyncBatchNorm``. Written with ``setup_context``, so
-    that the ``torch.func`` transforms (``jvp``, ``grad``, ``vjp``) can run it.
+    statistics), the normalizing variance and the (1,) float64 global count. Weight and bias gradients are the local
+    sums: DDP averages parameter gradients over ranks, as with ``torch.nn.SyncBatchNorm``. ``tags`` holds the
+    :class:`~syncbn_dist.comm.tags.CollectiveTag` of each direction's collective (a
+    :class:`~syncbn_dist.comm.tags.TracedTag` in a traced graph), which every payload carries and every member
+    verifies. Written with ``setup_context``, so that the ``torch.func`` transforms (``jvp``, ``grad``, ``vjp``) can
+    run it.
     """
 
     @staticmethod
@@ -91,56 +94,64 @@ class _SyncBatchNormFunction(Function):
         eps_mode: str,
         transport: Any,
         group_name: Any,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        tags: tuple[Any, Any],
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        tag = tags[0]
         if group_name is not NATIVE:  # payload, all_reduce and normalize: one compiled region, or the user's graph
-            transport.check(2 * input.size(1) + 1)
-            output, mean, unbiased_var, var, count = kernels.layer_forward(
-                input, weight, bias, eps, eps_mode == "clip", group_name
+            transport.check(tag)
+            output, mean, unbiased_var, var, count, summed_tag = kernels.layer_forward(
+                input, weight, bias, eps, eps_mode == "clip", group_name, tag
             )
+            if not is_compiling():  # (a traced graph checks it with an op of its own)
+                tag.verify(summed_tag, transport)
             _checked_count(count, input)
-            return output, mean, unbiased_var, var, count, count.new_empty(0)
-        total = transport.sum_(_local_payload(input, is_compiling()))
-        _checked_count(total, input)
-        mean, var, unbiased_var, count, empty = _global_statistics_as(total, _stat_dtype(input))
+            return output, mean, unbiased_var, var, count
+        total = transport.sum_(_local_payload(input, is_compiling(), tag), tag)
+        mean, var, unbiased_var, count = _global_statistics_as(total, _stat_dtype(input), input.size(1))
+        _checked_count(count, input)
         if eps_mode != "plus":
             var = _normalizing_var(var, eps, eps_mode)
         if (weight is not None and weight.dtype != mean.dtype) or (bias is not None and bias.dtype != mean.dtype):
             weight, bias = _as_stat(weight, mean), _as_stat(bias, mean)  # (tested inline: this runs every forward)
         output = _batch_norm_inference(input, weight, bias, mean, var, eps)
-        return output, mean, unbiased_var, var, count, empty
+        return output, mean, unbiased_var, var, count
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
-        input, weight, _, eps, eps_mode, transport, group_name = inputs
-        _, mean, unbiased_var, var, count, empty = output
-        ctx.eps, ctx.eps_mode, ctx.transport, ctx.group_name = eps, eps_mode, transport, group_name
+        input, weight, _, eps, eps_mode, transport, group_name, tags = inputs
+        _, mean, unbiased_var, var, count = output
+        ctx.eps, ctx.eps_mode, ctx.transport, ctx.group_name, ctx.tags = eps, eps_mode, transport, group_name, tags
         # "clip": a channel whose variance was below eps normalizes by eps, eps - eps = 0 as the kernels see it.
         ctx.clipped = None if eps_mode == "plus" else var == 0.0
-        ctx.save_for_backward(input, weight, mean, var, count, empty)
-        ctx.mark_non_differentiable(mean, unbiased_var, var, count, empty)
+        ctx.save_for_backward(input, weight, mean, var, count)
+        ctx.mark_non_differentiable(mean, unbiased_var, var, count)
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor, *_: None) -> tuple[Any, ...]:
-        input, weight, mean, var, count, empty = ctx.saved_tensors
+        input, weight, mean, var, count = ctx.saved_tensors
         if torch.is_grad_enabled():  # backward(create_graph=True): record a graph that can be differentiated again
-            return (*_recorded_backward(ctx, grad_output, input, weight, mean, count), None, None, None, None)
+            return (*_recorded_backward(ctx, grad_output, input, weight, mean, count), None, None, None, None, None)
         grad_output = _like_input(grad_output, input)
         needs = ctx.needs_input_grad
+        tag = ctx.tags[1]
         if ctx.group_name is not NATIVE:  # reductions, all_reduce and grad_input in one compiled region
-            ctx.transport.check(2 * input.size(1))
-            grad_input, sum_dy_xhat, sum_dy = kernels.layer_backward(
-                grad_output, input, weight, mean, var, count, ctx.eps, ctx.eps_mode == "clip", ctx.group_name, needs[0]
+            ctx.transport.check(tag)
+            grad_input, sum_dy_xhat, sum_dy, summed_tag = kernels.layer_backward(
+                grad_output, input, weight, mean, var, count, ctx.eps, ctx.eps_mode == "clip", ctx.group_name, needs[0],
+                tag,
             )
+            if not is_compiling():
+                tag.verify(summed_tag, ctx.transport)
             param_dtype = mean.dtype if weight is None else weight.dtype
             grad_weight = sum_dy_xhat.to(param_dtype) if needs[1] else None
             grad_bias = sum_dy.to(param_dtype) if needs[2] else None
-            return grad_input, grad_weight, grad_bias, None, None, None, None
+            return grad_input, grad_weight, grad_bias, None, None, None, None, None
         invstd = torch.rsqrt(var + ctx.eps) if input.is_cuda else None  # the CUDA kernels take it, computed once
         sum_dy, sum_dy_xhat = _local_reductions(grad_output, input, weight, mean, var, ctx.eps, invstd)
-        # One collective of 2C float64 values (the empty float64 tensor makes the cat's result float64); weight and
-        # bias keep the local sums (DDP averages them).
-        reductions = ctx.transport.sum_(torch.cat([sum_dy, sum_dy_xhat, empty]))
+        # One collective of the forward's size, 2C + 6 float64 values [sum(dy), sum(dy * x_hat), 0, tag] (the float64
+        # tail makes the cat's result float64); weight and bias keep the local sums (DDP averages them).
+        reductions = ctx.transport.sum_(torch.cat([sum_dy, sum_dy_xhat, tag.tail(input.device, 0.0)]), tag)
         grad_input = None
         if needs[0]:
             grad_input = _grad_input(
@@ -149,7 +160,8 @@ class _SyncBatchNormFunction(Function):
         param_dtype = mean.dtype if weight is None else weight.dtype
         if param_dtype != mean.dtype:  # e.g. float32 statistics of float16 activations with float16 parameters
             sum_dy_xhat, sum_dy = sum_dy_xhat.to(param_dtype), sum_dy.to(param_dtype)
-        return grad_input, sum_dy_xhat if needs[1] else None, sum_dy if needs[2] else None, None, None, None, None
+        grads = sum_dy_xhat if needs[1] else None, sum_dy if needs[2] else None
+        return grad_input, *grads, None, None, None, None, None
 
 
 def _kernel_choice(input: Tensor, transport: Any, compiling: bool) -> Any:
@@ -173,13 +185,14 @@ class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
         _SyncBatchNormFunction.setup_context(ctx, inputs, output)
-        _, mean, _, var, count, _ = output
+        _, mean, _, var, count = output
         ctx.save_for_forward(inputs[0], inputs[1], mean, var, count)
 
     @staticmethod
     def jvp(ctx: Any, input_tangent: Optional[Tensor], weight_tangent: Optional[Tensor],
-            bias_tangent: Optional[Tensor], *_: Any) -> tuple[Optional[Tensor], None, None, None, None, None]:
-        """Forward-mode AD: the output's tangent over the global batch, with one collective of 2C float64 values.
+            bias_tangent: Optional[Tensor], *_: Any) -> tuple[Optional[Tensor], None, None, None, None]:
+        """Forward-mode AD: the output's tangent over the global batch, with one collective of 2C + 6 float64 values
+        (the sums, then the tangent collective's tag).
 
         The Jacobian of the output in the input is ``weight * invstd * (I - 1 1^T / N - x_hat x_hat^T / N)`` per
         channel, which is symmetric: the tangent of ``dx`` is the backward's ``grad_input`` of ``dy = dx``, from the
@@ -190,7 +203,8 @@ class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
         if input_tangent is not None:
             input_tangent = _like_input(input_tangent, input)
             sums = _local_reductions(input_tangent, input, None, mean, var, ctx.eps)
-            reductions = ctx.transport.sum_(torch.cat(sums).to(COMBINE_DTYPE))
+            tag = ctx.tags[0].sibling(TANGENT)
+            reductions = ctx.transport.sum_(torch.cat([*sums, tag.tail(input.device, 0.0)]), tag)
             tangent = _grad_input(input_tangent, input, weight, mean, var, count, reductions, ctx.eps, ctx.clipped)
         if weight_tangent is not None or bias_tangent is not None:
             affine = _batch_norm_inference(
@@ -200,7 +214,7 @@ class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
                 mean, var, ctx.eps,
             )
             tangent = affine if tangent is None else tangent + affine
-        return tangent, None, None, None, None, None  # one per output
+        return tangent, None, None, None, None  # one per output
 
 
 def _recorded_backward(
@@ -211,14 +225,14 @@ def _recorded_backward(
     The gradients are autograd's own of :func:`_differentiable_normalize`, the forward in plain differentiable ops
     whose sum over the members is the transport's differentiable ``all_reduce``. So the recorded graph reaches every
     member's input: differentiating it again runs the adjoint of that all_reduce (another sum all_reduce) and gives
-    the second derivatives of nn.BatchNorm on the global batch. Two collectives of 2C float64 values (the statistics
-    again, and their adjoint), in this backward only; ``create_graph=False`` never comes here.
+    the second derivatives of nn.BatchNorm on the global batch. Two collectives of 2C + 6 float64 values (the
+    statistics again, and their adjoint, each tagged), in this backward only; ``create_graph=False`` never comes here.
     """
     needs = ctx.needs_input_grad
     grads: list[Optional[Tensor]] = [None, None, None]
     wrt = [t for t, need in zip((input, weight), needs[:2]) if need]
     if wrt:
-        output = _differentiable_normalize(input, weight, mean, count, ctx.eps, ctx.eps_mode, ctx.transport)
+        output = _differentiable_normalize(input, weight, mean, count, ctx.eps, ctx.eps_mode, ctx.transport, ctx.tags)
         found = iter(torch.autograd.grad(output, wrt, grad_output.to(output.dtype), create_graph=True))
         grads[:2] = [next(found) if need else None for need in needs[:2]]
     if needs[2]:
@@ -227,10 +241,12 @@ def _recorded_backward(
 
 
 def _differentiable_normalize(
-    input: Tensor, weight: Optional[Tensor], shift: Tensor, count: Tensor, eps: float, eps_mode: str, transport: Any
+    input: Tensor, weight: Optional[Tensor], shift: Tensor, count: Tensor, eps: float, eps_mode: str, transport: Any,
+    tags: tuple[Any, Any],
 ) -> Tensor:
     """``(x - mean) / sqrt(var + eps) * weight`` over the global batch in plain float64 ops (no bias: it adds a
-    constant), with the statistics summed over the members by ``transport.all_reduce``.
+    constant), with the statistics summed over the members by ``transport.all_reduce``, tagged as the recorded
+    backward's collectives (``tags``: the layer's).
 
     The sums are taken about ``shift``, the global mean the forward found (a constant here): they are small, so the
     variance carries no cancellation, and the result does not depend on the shift.
@@ -238,8 +254,10 @@ def _differentiable_normalize(
     shape = _channel_shape(input)
     centred = input.to(COMBINE_DTYPE) - shift.to(COMBINE_DTYPE).view(shape)
     dims = _reduced_dims(input)
-    (total,) = transport.all_reduce([torch.cat([centred.sum(dims), centred.square().sum(dims)])])
-    offset, var, _, _, _ = moments_of_total(torch.cat([total, count]))
+    tag, adjoint = tags[0].sibling(RECORDED_BACKWARD), tags[0].sibling(RECORDED_ADJOINT)
+    payload = torch.cat([centred.sum(dims), centred.square().sum(dims), tag.tail(input.device, 0.0)])
+    (total,) = transport.all_reduce([payload], tags=(tag, adjoint, True))
+    offset, var, _, _, _ = moments_of_total(torch.cat([total.narrow(0, 0, 2 * input.size(1)), count]))
     var = _normalizing_var(var, eps, eps_mode)
     output = (centred - offset.view(shape)) * torch.rsqrt(var + eps).view(shape)
     return output if weight is None else output * weight.to(COMBINE_DTYPE).view(shape)
@@ -255,6 +273,7 @@ def sync_batch_norm(
     eps: float,
     transport: Transport,
     eps_mode: str = "plus",
+    tags: Optional[tuple[Any, Any]] = None,
 ) -> Tensor:
     """Batch norm in training mode with statistics summed over every member of ``transport``.
 
@@ -272,15 +291,21 @@ def sync_batch_norm(
         transport: sums the payload over the members; see :mod:`syncbn_dist.comm.transport`.
         eps_mode: ``"plus"`` normalizes by ``sqrt(var + eps)`` (nn.BatchNorm), ``"clip"`` by
             ``sqrt(max(var, eps))`` (the classic Synchronized-BatchNorm-PyTorch default).
+        tags: the :class:`~syncbn_dist.comm.tags.CollectiveTag` of the forward and backward collectives, which every
+            member must send alike (a layer's: :func:`syncbn_dist.comm.tags.layer_tags`); None: those of a
+            functional call, the same for every call.
 
     Returns:
         Tensor of the input's shape, dtype and memory format.
 
     Raises:
         ValueError: if the global count per channel is 1 (raised on every member, which all see that count).
+        LayerMismatchError: if the members sent collectives of different tags (on every member).
     """
+    if tags is None:
+        tags = layer_tags("sync_batch_norm", "sync_batch_norm")
     return _sync_batch_norm(
-        input, weight, bias, running_mean, running_var, momentum, eps, transport, eps_mode, is_compiling()
+        input, weight, bias, running_mean, running_var, momentum, eps, transport, eps_mode, is_compiling(), tags
     )
 
 
@@ -295,15 +320,16 @@ def _sync_batch_norm(
     transport: Transport,
     eps_mode: str,
     compiling: bool,
+    tags: tuple[Any, Any],
 ) -> Tensor:
     """:func:`sync_batch_norm`, ``compiling`` being the caller's :func:`is_compiling` (the layer asks once)."""
     # An exchange unless the transport says otherwise (syncbn_dist.comm.transport).
     if getattr(transport, "differentiable_exchange", True):
         output, mean, unbiased_var = _sync_batch_norm_differentiable(
-            input, weight, bias, eps, eps_mode, transport, kernels.takes_compiled_kernels(input, compiling)
+            input, weight, bias, eps, eps_mode, transport, kernels.takes_compiled_kernels(input, compiling), tags
         )
     else:
-        args = (input, weight, bias, eps, eps_mode, transport, _kernel_choice(input, transport, compiling))
+        args = (input, weight, bias, eps, eps_mode, transport, _kernel_choice(input, transport, compiling), tags)
         if compiling:
             output, mean, unbiased_var, *_ = _SyncBatchNormFunction.apply(*args)
         elif _forward_ad_level_active():  # a dual level or a torch.func transform: Function.apply handles both

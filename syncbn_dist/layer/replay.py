@@ -27,6 +27,8 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
+from ..comm.tags import TAG_SIZE
+
 __all__ = ["RecordingTransport", "ReplayTransport"]
 
 # Relative difference below which two payloads are the same shard's (float64 sums of float32 values in another
@@ -55,8 +57,8 @@ class RecordingTransport:
         self._transport = transport
         self._records = records
 
-    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        totals = self._transport.all_reduce(tensors)
+    def all_reduce(self, tensors: Sequence[Tensor], tags: Optional[tuple[Any, Any, bool]] = None) -> list[Tensor]:
+        totals = self._transport.all_reduce(tensors, tags=tags)
         self._records.append(_Record(tensors[0].detach(), [total.detach() for total in totals]))
         return totals
 
@@ -84,7 +86,7 @@ class ReplayTransport:
         self._records = records
         self._description = description
 
-    def all_reduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+    def all_reduce(self, tensors: Sequence[Tensor], tags: Optional[tuple[Any, Any, bool]] = None) -> list[Tensor]:
         payload = tensors[0]
         matches = [record for record in self._records if _same_shard(record.payload, payload.detach())]
         if not matches:
@@ -101,25 +103,32 @@ class ReplayTransport:
                 "cannot tell which call's statistics to replay. Checkpoint those calls in one segment, or train "
                 "over torch.distributed processes, whose recomputation runs the collective again"
             )
-        return [_ReplayedTotal.apply(payload, totals[0], self._description), *totals[1:]]
+        # The recorded total's tags were verified when it was summed; it is replayed with this call's own (a reentrant
+        # checkpoint's original forward ran under no_grad, with the tag of a forward without backward).
+        total = totals[0]
+        members = total.narrow(0, total.numel() - TAG_SIZE, 1)
+        retagged = torch.cat([total.narrow(0, 0, total.numel() - TAG_SIZE), members * payload.detach()[-TAG_SIZE:]])
+        return [_ReplayedTotal.apply(payload, retagged, self._description), *totals[1:]]
 
     def agreement_group(self) -> None:
         return None
 
 
 def _same_shard(recorded: Tensor, payload: Tensor) -> bool:
-    """Whether two payloads ``[sum (C), sum of squares (C), count]`` are one shard's: equal counts, and sums equal up to
-    float64 rounding of the values' magnitude (``sqrt(count * sum of squares)`` bounds ``sum(|x|)``)."""
+    """Whether two payloads ``[sum (C), sum of squares (C), count, tag]`` are one shard's: equal counts, and sums equal
+    up to float64 rounding of the values' magnitude (``sqrt(count * sum of squares)`` bounds ``sum(|x|)``). The tags
+    may differ: a reentrant checkpoint's original forward runs under ``no_grad``, its recomputation with grad."""
     if recorded.shape != payload.shape or recorded.device != payload.device:
         return False
-    if torch.equal(recorded, payload):
+    num_features = (payload.numel() - 1 - TAG_SIZE) // 2
+    sums, squares, count, _ = payload.split([num_features, num_features, 1, TAG_SIZE])
+    recorded_sums, recorded_count, _ = recorded.split([2 * num_features, 1, TAG_SIZE])
+    if torch.equal(recorded_sums, payload[: 2 * num_features]) and torch.equal(recorded_count, count):
         return True
-    num_features = (payload.numel() - 1) // 2
-    sums, squares, count = payload.split([num_features, num_features, 1])
-    if bool(recorded[-1] != count[0]):
+    if not torch.equal(recorded_count, count):
         return False
     magnitude = torch.cat([torch.sqrt(count * squares), squares])
-    return bool(((recorded[:-1] - payload[:-1]).abs() <= _SAME_SHARD_RTOL * magnitude).all())
+    return bool(((recorded_sums - payload[: 2 * num_features]).abs() <= _SAME_SHARD_RTOL * magnitude).all())
 
 
 def _same_values(a: Tensor, b: Tensor) -> bool:

@@ -35,16 +35,18 @@ def global_statistics(total: Tensor) -> tuple[Tensor, Tensor]:
     return torch.stack([mean, var, unbiased_var]), count
 
 
-def _global_statistics_as(total: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """:func:`~syncbn_dist.kernels.statistics.moments_of_total` as the layer uses them: ``(mean, var, unbiased_var,
-    count, empty)``, the three statistics (C,) in ``dtype``, the (1,) float64 count and an empty float64 view.
+def _global_statistics_as(
+    total: Tensor, dtype: torch.dtype, num_features: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`~syncbn_dist.kernels.statistics.moments_of_total` of a summed tagged payload as the layer uses them:
+    ``(mean, var, unbiased_var, count)``, the three statistics (C,) in ``dtype`` and the (1,) float64 count.
 
     Five ops for float64 statistics, eight otherwise (one stacked cast and its unbind).
     """
-    mean, var, unbiased_var, count, empty = moments_of_total(total)
+    mean, var, unbiased_var, count, _ = moments_of_total(total, num_features)
     if dtype != total.dtype:
         mean, var, unbiased_var = torch.stack([mean, var, unbiased_var]).to(dtype).unbind()
-    return mean, var, unbiased_var, count, empty
+    return mean, var, unbiased_var, count
 
 
 def local_moments(input: Tensor) -> tuple[Tensor, Tensor]:
@@ -78,7 +80,7 @@ def combine_moments(count: Tensor, moments: Tensor) -> tuple[Tensor, Tensor]:
     return stats[0], stats[1].clamp(min=0.0)
 
 
-def _checked_count(total: Tensor, input: Tensor) -> None:
+def _checked_count(count: Tensor, input: Tensor) -> None:
     """Raise on every member if the global count per channel is 1; look only where it can be below 2.
 
     Only shards of 0 or 1 values per channel can be part of a global count below 2, so every member that could
@@ -87,7 +89,7 @@ def _checked_count(total: Tensor, input: Tensor) -> None:
     with the same message instead of ValueError: the count cannot be read on the host inside a graph.
 
     Args:
-        total: the summed payload, or the (1,) global count (its last value is the count).
+        count: the (1,) float64 global count.
         input: this member's (N, C, *) shard.
 
     Raises:
@@ -100,8 +102,8 @@ def _checked_count(total: Tensor, input: Tensor) -> None:
         f"(local input size {list(input.shape)})"
     )
     if is_compiling():
-        torch._assert_async(total[-1] != 1.0, message)
-    elif int(total[-1].item()) == 1:
+        torch._assert_async(count[0] != 1.0, message)
+    elif int(count.item()) == 1:
         raise ValueError(message)
 
 

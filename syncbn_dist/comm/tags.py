@@ -1,0 +1,306 @@
+r"""Collective tags: every synchronized collective says which layer and direction sent it, and checks that on arrival.
+
+Each member appends the five float64 values ``[1, f, f**2, g, g**2]`` of its :class:`CollectiveTag` to the payload it
+all-reduces, where ``(f, g)`` are two 16-bit integers hashed from the layer's identity (its qualified name in the model)
+and the collective's direction. The sums ``[n, sum f, sum f**2, sum g, sum g**2]`` arrive with the payload's, and
+
+.. math::
+
+    \sum_i (f_i - f)^2 = \sum_i f_i^2 - 2 f \sum_i f_i + n f^2
+
+is zero exactly when every member sent this member's ``f``: each member tests its own tag against the same sums, so
+either every member passes or every member raises :class:`LayerMismatchError`, at that collective, with no collective
+of its own. Integers below 2**16 keep every sum and product below 2**53, so the test is exact in float64 for up to
+2**21 members. Two distinct collectives pass for each other only if both 16-bit hashes collide: a chance of 2**-32.
+
+A member that joined under ``Join`` sends zeros, so ``n`` counts the members that sent a tag. A DataParallel replica's
+payload is summed over the replicas before the processes, so ``n`` counts replicas; the gradient of the exchanged
+payload carries the backward's tag the same way (:mod:`syncbn_dist.layer.exchange_functions`).
+
+Where the sums are read: on the host right after a CPU collective (no synchronization to wait for), and inside a user's
+``torch.compile`` graph by the custom op ``syncbn_dist::tag_checked`` (:func:`checked_in_graph`). On CUDA nothing is
+read at the collective: the discrepancy is accumulated on the device and read back from pinned memory at a later
+synchronized call once the device has passed it (:class:`_DeviceMonitor`), so no layer waits for the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .distributed import all_gather_bytes
+
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "FORWARD_WITHOUT_BACKWARD",
+    "NO_TAG",
+    "RECORDED_ADJOINT",
+    "RECORDED_BACKWARD",
+    "TANGENT",
+    "TAG_SIZE",
+    "CollectiveTag",
+    "LayerMismatchError",
+    "TracedTag",
+    "checked_in_graph",
+    "layer_tags",
+    "describe_disagreement",
+    "raise_pending_mismatch",
+    "tag_for",
+    "traced_tags",
+]
+
+#: Values a tag adds to a payload: ``[1, f, f**2, g, g**2]``.
+TAG_SIZE = 5
+# The directions of a layer's collectives. A training forward says whether autograd will run its backward (and so the
+# backward's collective): a forward under no_grad on one rank beside a training forward on another is a mismatch.
+FORWARD, FORWARD_WITHOUT_BACKWARD, BACKWARD = "forward", "forward without backward", "backward"
+TANGENT = "forward-mode tangent"
+RECORDED_BACKWARD, RECORDED_ADJOINT = "recorded backward (create_graph)", "adjoint of the recorded backward"
+_F64 = torch.float64
+# Bytes per rank of the record gathered to name every member's collective, once a mismatch is found.
+_RECORD_BYTES = 256
+
+
+class LayerMismatchError(ValueError):
+    """Members of a synchronization group reached different synchronized layers (raised on every member)."""
+
+
+def describe_disagreement(records: list[list[str]], group: Any) -> str:
+    """One line per member from ``[compared, display]`` records, then which ranks differ from the first."""
+    ranks = [dist.get_global_rank(group, i) for i in range(len(records))]
+    lines = [f"  rank {rank}: {record[-1]}" for rank, record in zip(ranks, records)]
+    differing = [rank for rank, record in zip(ranks, records) if record[0] != records[0][0]]
+    return "\n".join(lines) + f"\nranks {differing} differ from rank {ranks[0]}"
+
+
+class CollectiveTag:
+    """The identity of one synchronized collective: a layer and a direction, hashed into two 16-bit integers.
+
+    Args:
+        identity: what names the layer on every member alike (its qualified name in the model).
+        direction: the collective's direction (``"forward"``, ``"backward"``, ...).
+        description: how errors name the layer (its name and class).
+        index: the tag's number in this process (:func:`tag_for`).
+    """
+
+    __slots__ = ("identity", "direction", "description", "index", "values", "_discrepancy", "_tails")
+
+    def __init__(self, identity: str, direction: str, description: str, index: int) -> None:
+        digest = hashlib.blake2b(f"{identity}\x1f{direction}".encode(), digest_size=4).digest()
+        f, g = int.from_bytes(digest[:2], "little"), int.from_bytes(digest[2:], "little")
+        self.identity, self.direction, self.description, self.index = identity, direction, description, index
+        self.values = (1.0, float(f), float(f * f), float(g), float(g * g))
+        # [f**2 + g**2, -2 f, 1, -2 g, 1]: its dot product with the summed tag is sum_i (f_i - f)**2 + (g_i - g)**2.
+        self._discrepancy = (float(f * f + g * g), -2.0 * f, 1.0, -2.0 * g, 1.0)
+        self._tails: dict[tuple[torch.device, Optional[float]], Tensor] = {}
+
+    def sibling(self, direction: str) -> CollectiveTag:
+        """The tag of the same layer's collective in ``direction``."""
+        return tag_for(self.identity, direction, self.description)
+
+    def tail(self, device: torch.device, lead: Optional[float]) -> Tensor:
+        """``[lead, 1, f, f**2, g, g**2]`` float64 on ``device`` (made once): the payload's last six values, ``lead``
+        being its count slot (1.0 to be scaled by the count, or 0.0); ``lead`` None: the five values of the tag."""
+        key = (device, lead)
+        tail = self._tails.get(key)
+        if tail is None:
+            values = self.values if lead is None else (lead, *self.values)
+            tail = self._tails[key] = torch.tensor(values, dtype=_F64, device=device)
+        return tail
+
+    def discrepancy_weights(self, device: torch.device) -> Tensor:
+        """(5,) float64 on ``device``: the summed tag's dot product with it is 0 exactly when every member agrees."""
+        key = (device, -1.0)  # (no count slot is -1)
+        weights = self._tails.get(key)
+        if weights is None:
+            weights = self._tails[key] = torch.tensor(self._discrepancy, dtype=_F64, device=device)
+        return weights
+
+    def verify(self, total: Tensor, transport: Optional[Any] = None) -> None:
+        """Check the tag at the end of the summed payload ``total`` (see the module docstring).
+
+        Args:
+            total: the summed payload, its last :data:`TAG_SIZE` values the summed tags (or those values alone).
+            transport: what summed it: on a mismatch, the members of its ``agreement_group()`` (every one of which
+                checks this collective) gather one record each to name every member's collective; with no group
+                (None, or no transport) the error names this member's alone.
+
+        Raises:
+            LayerMismatchError: on every member that sent a tag, if they did not all send the same one (CPU; on CUDA
+                at a later synchronized call, see :class:`_DeviceMonitor`).
+        """
+        summed = total[-TAG_SIZE:]
+        if summed.is_cuda:
+            _monitor(summed.device).add(self, summed)
+            return
+        # sum_i (f_i - f)**2 == 0 written as the test the sums allow: sum f_i == n f and sum f_i**2 == n f**2 (the same
+        # for g), every product an exact integer in float64.
+        n, f_sum, f_squares, g_sum, g_squares = summed.tolist()
+        _, f, f_square, g, g_square = self.values
+        if not (f_sum == n * f and f_squares == n * f_square and g_sum == n * g and g_squares == n * g_square):
+            group = getattr(transport, "agreement_group", lambda: None)()
+            raise self.mismatch(int(n), group)
+
+    def mismatch(self, members: int, group: Optional[Any]) -> LayerMismatchError:
+        """The error every member raises when the tags of a collective disagree, naming each member's collective when
+        ``group`` can gather a record of each (one ``all_gather``, which every member of ``group`` runs here)."""
+        mine = f"{self.description}: {self.direction}"
+        if group is not None:
+            records = [r.decode("utf-8", "replace") for r in all_gather_bytes(mine.encode(), group, _RECORD_BYTES)]
+            return LayerMismatchError(
+                "synchronized BatchNorm layers disagree across the members of the process group: they were at "
+                "different synchronized collectives (a layer or direction that not every member runs at this point):\n"
+                + describe_disagreement([[record, record] for record in records], group)
+            )
+        return LayerMismatchError(
+            f"synchronized BatchNorm layers disagree across the {members} members of this collective: this member was "
+            f"at {mine}, some other member at another synchronized collective (a layer or direction that not every "
+            "member runs at this point). Set SYNCBN_DEBUG=1 to name every member's layer"
+        )
+
+
+class TracedTag(NamedTuple):
+    """A :class:`CollectiveTag` as constants of a traced graph: its number and its five values."""
+
+    index: int
+    values: tuple[float, ...]
+
+
+#: The tag of a collective with no peer (a group of one): its sums are its own, nothing is checked.
+NO_TAG = TracedTag(-1, (1.0, 0.0, 0.0, 0.0, 0.0))
+
+
+def traced_tags(constants: tuple[Any, ...]) -> tuple[TracedTag, TracedTag]:
+    """The forward and backward :class:`TracedTag` from ``(index, *values)`` of each, in one flat tuple (what the
+    trace-time check returns: :func:`syncbn_dist.comm.agreement.verify_while_tracing`)."""
+    size = 1 + TAG_SIZE
+    return TracedTag(constants[0], tuple(constants[1:size])), TracedTag(constants[size], tuple(constants[size + 1:]))
+
+
+_TAGS: dict[tuple[str, str], CollectiveTag] = {}
+_TAGS_BY_INDEX: list[CollectiveTag] = []
+_TAGS_LOCK = threading.Lock()
+
+
+def layer_tags(identity: str, description: str, forward: str = FORWARD) -> tuple[CollectiveTag, CollectiveTag]:
+    """The tags of a layer's forward (direction ``forward``) and backward collectives."""
+    return tag_for(identity, forward, description), tag_for(identity, BACKWARD, description)
+
+
+def tag_for(identity: str, direction: str, description: str) -> CollectiveTag:
+    """The tag of ``identity``'s collectives in ``direction``, made once per process (the description of its first
+    request names it in errors)."""
+    key = (identity, direction)
+    tag = _TAGS.get(key)
+    if tag is None:
+        with _TAGS_LOCK:  # DataParallel replica threads may ask together
+            tag = _TAGS.get(key)
+            if tag is None:
+                tag = _TAGS[key] = CollectiveTag(identity, direction, description, len(_TAGS_BY_INDEX))
+                _TAGS_BY_INDEX.append(tag)
+    return tag
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA: the discrepancy accumulated on the device, read back later
+# ---------------------------------------------------------------------------------------------------------------
+
+# Slots of a device's accumulator, by tag index modulo this: fixed, so that CUDA graphs that captured the accumulation
+# keep writing where the monitor reads.
+_SLOTS = 4096
+
+
+class _DeviceMonitor:
+    """One CUDA device's summed discrepancies, one slot per tag, and their copy in pinned host memory.
+
+    :meth:`add` accumulates ``sum_i (f_i - f)**2 + (g_i - g)**2`` of a collective into its tag's slot with one kernel
+    and no host read. Every call also polls: once the device has finished the copy enqueued at an earlier call (an
+    event query, which never waits), a nonzero slot raises :class:`LayerMismatchError` naming its tag, and a new copy
+    is enqueued. So a mismatch is raised at a synchronized call after the device has run the failing collective,
+    typically the next step's first layer, without any layer waiting for the device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sums = torch.zeros(_SLOTS, dtype=_F64, device=device)
+        self.host = torch.zeros(_SLOTS, dtype=_F64, pin_memory=True)
+        self.event: Optional[torch.cuda.Event] = None
+
+    def add(self, tag: CollectiveTag, summed: Tensor) -> None:
+        slot = self.sums.narrow(0, tag.index % _SLOTS, 1)
+        slot.addmv_(summed.view(1, TAG_SIZE), tag.discrepancy_weights(summed.device))
+        self.poll()
+
+    def poll(self, wait: bool = False) -> None:
+        """Raise for a discrepancy the device has reported back; enqueue the next copy (``wait``: wait for it)."""
+        if self.event is not None and (wait or self.event.query()):
+            if wait:
+                self.event.synchronize()
+            self.event = None
+            bad = self.host.nonzero().flatten().tolist()
+            if bad:
+                self.sums.zero_()
+                names = sorted({f"{t.description}: {t.direction}" for t in _TAGS_BY_INDEX if t.index % _SLOTS in bad})
+                raise LayerMismatchError(
+                    f"synchronized BatchNorm layers disagreed across the members of a collective on {self.device}: "
+                    f"this member was at {'; '.join(names)}, some other member at another synchronized collective. "
+                    "Found on the device after the collective ran. Set SYNCBN_DEBUG=1 to name every member's layer"
+                )
+        if self.event is None and not torch.cuda.is_current_stream_capturing():
+            self.host.copy_(self.sums, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+
+_MONITORS: dict[torch.device, _DeviceMonitor] = {}
+
+
+def _monitor(device: torch.device) -> _DeviceMonitor:
+    monitor = _MONITORS.get(device)
+    if monitor is None:
+        monitor = _MONITORS[device] = _DeviceMonitor(device)
+    return monitor
+
+
+def raise_pending_mismatch() -> None:
+    """Wait for every CUDA device this process checked collectives on, and raise a mismatch found there.
+
+    Raises:
+        LayerMismatchError: if a synchronized collective on a CUDA device mixed different layers or directions.
+    """
+    for monitor in list(_MONITORS.values()):
+        monitor.poll(wait=True)
+        monitor.poll(wait=True)  # the copy enqueued by the first poll holds every collective so far
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inside a user's torch.compile graph
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("syncbn_dist::tag_checked", mutates_args=())
+def _tag_checked(total: Tensor, tag_index: int) -> Tensor:
+    """``total`` (a summed payload) as a new tensor, after :meth:`CollectiveTag.verify` with the tag of
+    ``tag_index``: the check as one op of a compiled graph, whose output the graph uses (so it runs, in order)."""
+    _TAGS_BY_INDEX[tag_index].verify(total)
+    return total.clone()
+
+
+@_tag_checked.register_fake
+def _(total: Tensor, tag_index: int) -> Tensor:
+    return torch.empty_like(total)
+
+
+_tag_checked.register_autograd(lambda ctx, grad: (grad, None))
+
+
+def checked_in_graph(total: Tensor, tag_index: int) -> Tensor:
+    """:meth:`CollectiveTag.verify` of ``total`` with the tag numbered ``tag_index``, as an op of the traced graph;
+    returns the checked total, which the caller uses in place of ``total``."""
+    return torch.ops.syncbn_dist.tag_checked(total, tag_index)
