@@ -528,3 +528,44 @@ def test_readme_quick_start_runs_as_pasted_on_the_gpus(tmp_path: Path) -> None:
     ]
     (ran,) = run_blocks(quick_start, tmp_path, Path(sys.executable).parent, timeout=240)  # checks the output block
     assert f"on {expected}" in ran[1]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The collective tags on CUDA: checked on the device, read back later, never a host synchronization per layer
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_a_training_step_checks_its_tags_without_a_host_synchronization(nccl_world_of_one: None) -> None:
+    """A converted ResNet forced onto the NCCL group (every layer tagged and checked, forward and backward): after two
+    warm-up steps (the group's first-step gathers read the device), a training step under
+    torch.cuda.set_sync_debug_mode("error") makes no synchronizing call, and the device-side check found nothing."""
+    from syncbn_dist.comm.tags import _MONITORS, raise_pending_mismatch
+
+    model = force_sync(syncbn_dist.convert_model(resnet(seed=3))).cuda().to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    for step in range(2):
+        _sgd_step(model, optimizer, *_resnet_batch(step))
+    x, y = _resnet_batch(2)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.device("cuda", 0) in _MONITORS  # the tags were checked on the device
+    raise_pending_mismatch()  # and every check so far passed
+
+
+def test_a_tag_mismatch_on_cuda_is_raised_once_the_device_reports_it(nccl_world_of_one: None) -> None:
+    """The sums of two members that sent different tags, as a CUDA collective leaves them: nothing is raised at the
+    collective; raise_pending_mismatch (a later synchronized call, once the device has run it) names the tag."""
+    from syncbn_dist.comm.tags import raise_pending_mismatch, tag_for
+
+    mine, theirs = tag_for("heads.a", "forward", "layer 'heads.a'"), tag_for("heads.b", "forward", "layer 'heads.b'")
+    summed = torch.tensor(mine.values, dtype=torch.float64) + torch.tensor(theirs.values, dtype=torch.float64)
+    mine.verify(summed.cuda())
+    with pytest.raises(syncbn_dist.LayerMismatchError, match="layer 'heads.a': forward"):
+        raise_pending_mismatch()
+    raise_pending_mismatch()  # reported once: the slots are cleared

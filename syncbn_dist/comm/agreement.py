@@ -18,8 +18,8 @@ on the group is checked until its first step is over, which is when the backward
 repeat of an earlier collective, has been checked; ranks whose histories are equal decide alike, and ranks whose
 histories differ have met a mismatch already. Under ``torch.compile`` the layers of a frame's first compilation that
 the group has not checked are checked while Dynamo traces them, before the graph runs any collective (a
-recompilation, which one rank may make alone, checks nothing). In debug mode (:func:`syncbn_dist.set_debug`, ``SYNCBN_DEBUG=1``) every collective is gathered and numbered,
-which also names the call where ranks part.
+recompilation, which one rank may make alone, checks nothing). In debug mode (:func:`syncbn_dist.set_debug`,
+``SYNCBN_DEBUG=1``) every collective is gathered and numbered, which also names the call where ranks part.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import settings
-from .distributed import _AllReduceCoalesced, all_gather_bytes
+from .distributed import _AllReduceCoalesced, all_gather_bytes, resolve_group
 from .tags import BACKWARD, LayerMismatchError, describe_disagreement, layer_tags
 
 __all__ = [
@@ -229,7 +229,7 @@ def agreement_of(layer: Any) -> LayerAgreement:
     return agreement
 
 
-def verify_while_tracing(group: Optional[Any], identity: str, forward: str, key: str, description: str) -> Any:
+def verify_while_tracing(group_name: str, identity: str, forward: str, key: str, description: str) -> Any:
     """The gather check of a layer that ``torch.compile`` traces, run once, eagerly, while Dynamo traces it.
 
     Left out of the graph: every member traces a frame's first compilation before its graph runs a collective, so all
@@ -241,7 +241,7 @@ def verify_while_tracing(group: Optional[Any], identity: str, forward: str, key:
     mode runs the layer eagerly.
 
     Args:
-        group: the process group, or None for the world group.
+        group_name: the process group's name (Dynamo hands groups themselves over as fake objects, names as text).
         identity: names the layer on every member alike (in its collective tags:
             :func:`~syncbn_dist.comm.tags.layer_tags`).
         forward: the direction of its forward collective (whether autograd will run its backward).
@@ -254,15 +254,15 @@ def verify_while_tracing(group: Optional[Any], identity: str, forward: str, key:
     Raises:
         LayerMismatchError: as :func:`verify`, at compile time, on every member.
     """
-    return _verify_once(group, identity, forward, key, description)
+    return _verify_once(group_name, identity, forward, key, description)
 
 
 @torch._dynamo.assume_constant_result
-def _verify_once(group: Any, identity: str, forward: str, key: str, description: str) -> Any:
+def _verify_once(group_name: str, identity: str, forward: str, key: str, description: str) -> Any:
     # assume_constant_result: dynamo calls this while tracing, with the real arguments, and keeps only the result (the
     # tags' numbers and values); the windows and tags are plain Python state, which the traced code never sees.
     forward_tag, backward_tag = layer_tags(identity, description, forward)
-    group = _world_if_none(group)
+    group = resolve_group(group_name)
     window = _window(group)
     compile_id = torch._guards.CompileContext.current_compile_id()
     first_compilation = compile_id is None or compile_id.frame_compile_id == 0

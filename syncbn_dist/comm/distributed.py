@@ -27,6 +27,7 @@ __all__ = [
     "group_needs_sync",
     "new_sync_groups",
     "process_group_missing",
+    "resolve_group",
 ]
 
 
@@ -354,6 +355,11 @@ def broadcast_from_first_(tensor: Tensor, process_group: Optional[Any] = None) -
     source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
     dist.broadcast(tensor, src=source, group=process_group)
     return tensor
+
+
+def resolve_group(group_name: str) -> Any:
+    """The process group named ``group_name`` (``ProcessGroup.group_name``), through torch's registry of names."""
+    return dist.distributed_c10d._resolve_process_group(group_name)
 
 
 def process_group_missing() -> bool:

@@ -11,7 +11,10 @@ zeros to it, so its sums say how many ranks are active and what they send:
 ``[active, kind, kind², layer, layer², numel, numel², dtype, dtype²]``. The active ranks agree on a field exactly
 when ``active * sum(f²) == sum(f)²`` (the values of equal integers; checked identically on every rank from the
 same sums), and then ``sum(f) / active`` is the shared value. So a model whose layer sequence changes from step to
-step is served exactly, and active ranks at different layers raise :class:`LayerMismatchError` on every rank.
+step is served exactly, and active ranks at different layers raise :class:`LayerMismatchError` on every rank. The
+payloads carry their collective tags (:mod:`syncbn_dist.comm.tags`), to which a joined rank adds nothing: the
+active ranks check them, and the listener tests the sums the same way, so that a disagreement the controls cannot
+see (a forward against a backward of the same layer) stops the joined rank too.
 
 Controls cost one small collective per layer collective, so they run only while a peer has joined: each training
 forward of the model starts with a *header* (a control of kind ``HEADER``) that counts the active ranks, and the
@@ -31,8 +34,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .agreement import LayerMismatchError
 from .distributed import DistributedTransport
+from .tags import TAG_SIZE, LayerMismatchError, summed_tags_agree
 from .transport import UNREACHABLE
 
 __all__ = ["JoinBinding", "JoinSession", "JoinTransport"]
@@ -129,8 +132,9 @@ class JoinSession:
             raise LayerMismatchError(self._mismatch("at the start of a forward"))
         self.peers_joined = announcement.active < self.size
 
-    def announce(self, layer: int, payload: Tensor, tracked_forward: bool = False) -> None:
-        """Before ``payload`` is summed on an active rank: tell the joined ranks what to answer, if any has joined.
+    def announce(self, layer: int, payload: Tensor, tracked_forward: bool = False, what: str = "") -> None:
+        """Before ``payload`` is summed on an active rank: tell the joined ranks what to answer, if any has joined
+        (``what``: this rank's layer and direction, for the error).
 
         Raises:
             LayerMismatchError: on every rank, if the active ranks are not at the same layer with payloads of the
@@ -142,7 +146,8 @@ class JoinSession:
         kind = _TRACKED_FORWARD if tracked_forward else _COLLECTIVE
         announcement = self._exchange(_control(1.0, kind, layer, payload.numel(), dtype_code, self.device))
         if not announcement.agree:
-            raise LayerMismatchError(self._mismatch(f"at layer {layer} ({payload.numel()} values)"))
+            where = what or f"layer {layer}"
+            raise LayerMismatchError(self._mismatch(f"(this rank was at {where}, {payload.numel()} values)"))
 
     def start_listener(self) -> None:
         """On a rank that has joined: answer the active ranks' collectives in a thread until every rank has joined."""
@@ -179,6 +184,8 @@ class JoinSession:
                 total = self.transport.sum_(
                     torch.zeros(announcement.numel, dtype=announcement.dtype, device=self.device)
                 )
+                if not summed_tags_agree(total[-TAG_SIZE:].tolist()):  # (the active ranks raise at this collective)
+                    raise LayerMismatchError(self._mismatch("while this rank had joined (their collectives' tags)"))
                 if announcement.kind == _TRACKED_FORWARD:
                     self.on_forward_total(announcement.layer, total)
         except BaseException as error:  # noqa: B036 - handed to the main thread by finish()
@@ -222,7 +229,8 @@ class JoinTransport:
         """:meth:`DistributedTransport.sum_` on the session's group, announced to the joined ranks (who add zeros: their
         tag counts nothing), then ``tag`` verified over the active ranks."""
         tracked_forward, self._tracked_forward = self._tracked_forward, False
-        self.session.announce(self.layer, tensor, tracked_forward)
+        what = "" if tag is None else f"{tag.description}: {tag.direction}"
+        self.session.announce(self.layer, tensor, tracked_forward, what)
         total = self.session.transport.sum_(tensor)
         if tag is not None:
             tag.verify(total, self)

@@ -51,6 +51,7 @@ __all__ = [
     "layer_tags",
     "describe_disagreement",
     "raise_pending_mismatch",
+    "summed_tags_agree",
     "tag_for",
     "traced_tags",
 ]
@@ -193,6 +194,13 @@ def layer_tags(identity: str, description: str, forward: str = FORWARD) -> tuple
     return tag_for(identity, forward, description), tag_for(identity, BACKWARD, description)
 
 
+def summed_tags_agree(summed: list[float]) -> bool:
+    """Whether the members that sent the summed tag ``summed`` (on the host) all sent the same one, for a member that
+    sent none (a joined rank's listener): ``n sum f**2 == (sum f)**2`` for both halves, in exact integers."""
+    n, f_sum, f_squares, g_sum, g_squares = (round(value) for value in summed)
+    return n * f_squares == f_sum * f_sum and n * g_squares == g_sum * g_sum
+
+
 def tag_for(identity: str, direction: str, description: str) -> CollectiveTag:
     """The tag of ``identity``'s collectives in ``direction``, made once per process (the description of its first
     request names it in errors)."""
@@ -238,7 +246,10 @@ class _DeviceMonitor:
         self.poll()
 
     def poll(self, wait: bool = False) -> None:
-        """Raise for a discrepancy the device has reported back; enqueue the next copy (``wait``: wait for it)."""
+        """Raise for a discrepancy the device has reported back; enqueue the next copy (``wait``: wait for it).
+        Nothing while a CUDA graph is captured (its replays accumulate into the same slots, read by later polls)."""
+        if torch.cuda.is_current_stream_capturing():
+            return
         if self.event is not None and (wait or self.event.query()):
             if wait:
                 self.event.synchronize()
@@ -252,7 +263,7 @@ class _DeviceMonitor:
                     f"this member was at {'; '.join(names)}, some other member at another synchronized collective. "
                     "Found on the device after the collective ran. Set SYNCBN_DEBUG=1 to name every member's layer"
                 )
-        if self.event is None and not torch.cuda.is_current_stream_capturing():
+        if self.event is None:
             self.host.copy_(self.sums, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()

@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import torch_changes
 from ..comm.distributed import all_gather_bytes
 from ..comm.join_session import JoinBinding, JoinSession, JoinTransport
+from ..comm.tags import LayerMismatchError
 from ..kernels.statistics import moments_of_total
 from ..layer.batchnorm import SyncBatchNorm
 from ..layer.statistics import update_running_stats
@@ -253,6 +254,13 @@ def _ours(join: Join) -> list[SyncBatchNormJoinable]:
     return [j for j in join._joinables if isinstance(j, SyncBatchNormJoinable)]
 
 
+def _only_layers_joined(join: Join, ours: list[SyncBatchNormJoinable]) -> bool:
+    """Whether ``join`` holds only the layers' joinables and one of their peers has joined."""
+    if not join._enable or len(ours) != len(join._joinables):
+        return False
+    return any(session.peers_joined for joinable in ours for session in joinable._sessions)
+
+
 def extend_torch_join() -> None:
     """Extend torch's ``Join`` for synchronized layers (see the module docstring), until :func:`restore_torch_join`.
 
@@ -277,6 +285,13 @@ def extend_torch_join() -> None:
         if self._enable and type is None and not self._throw_on_early_termination:
             for joinable in ours:  # before Join's first collective: the active ranks' next ones need the listeners
                 joinable._start_listeners()
+        elif type is not None and issubclass(type, LayerMismatchError) and _only_layers_joined(self, ours):
+            # Every active rank raised at the same collective (a tag or a control: comm/join_session.py). Leave as a
+            # rank that ran out of inputs does, so that the joined ranks' Join ends too (raising what their listeners
+            # saw) instead of waiting for the group's timeout; then raise the mismatch here. Not beside another
+            # joinable: a joined rank may be shadowing its collectives (DDP's gradient buckets), which this would meet.
+            exit_(self, None, None, None)
+            return False
         try:
             return exit_(self, type, value, traceback)
         except Exception as error:

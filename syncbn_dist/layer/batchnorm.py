@@ -404,7 +404,7 @@ class SyncBatchNorm(_BatchNorm):
         if transport is _SOLO:  # a group of one ("clip" with no peers): no collective to tag
             return NO_TAG, NO_TAG
         constants = verify_while_tracing(
-            transport.process_group,  # (None for the world: Dynamo hands the real world group over as fake)
+            transport.group_name,  # (by name: Dynamo hands the group itself over as a fake object)
             self._identity(),
             forward,
             self._agreement_key(input.dtype),
