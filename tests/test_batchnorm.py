@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -627,3 +628,28 @@ def _worker_nccl(rank: int, world_size: int) -> int:
 def test_nccl_matches_batchnorm_on_global_batch() -> None:
     # Fresh ranks: each takes a GPU and an NCCL group, which a pooled CPU world should not carry into later jobs.
     assert run_distributed(_worker_nccl, 2, timeout=180, fresh=True) == [3, 3]
+
+
+def test_a_launcher_world_without_a_process_group_warns_once_naming_the_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchrun says this is one of 2 processes (WORLD_SIZE), but the script never called init_process_group: the
+    first training forward warns, naming the layer and saying its statistics are local; later ones do not."""
+    from syncbn_dist.layer import batchnorm
+
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(batchnorm, "_WARNED_NO_GROUP", [False])
+    layer = convert_model(torch.nn.Sequential(torch.nn.BatchNorm1d(3)))
+    with pytest.warns(RuntimeWarning, match=r"layer '0' \(SynchronizedBatchNorm1d\) trains with local statistics"):
+        layer(torch.randn(4, 3))
+    assert layer[0].last_transport == "local"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(torch.randn(4, 3))  # once per process
+        layer.eval()(torch.randn(4, 3))  # and never in eval mode
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(batchnorm, "_WARNED_NO_GROUP", [False])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer.train()(torch.randn(4, 3))  # one process: nothing to warn about

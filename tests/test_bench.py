@@ -2,7 +2,7 @@
 
 Speed lives in the benchmark, not here: nothing below is timed. What is checked is that the run completes,
 that the JSON, markdown and PNG are well formed, that the collectives the bench counts for syncbn_dist are the
-designed ones (one all_reduce of (2C+1) float64 per layer forward, one of 2C float64 backward, on the conv-BN
+designed ones (one all_reduce of 2C + 6 float64 values per layer in each direction, on the conv-BN
 net and the ResNet-style net), and that the in-step floor variant sends exactly those collectives, counted. The
 config: overrides reach the bench file and every scenario file, and every bad config exits 2 naming its key
 before any process starts.
@@ -116,11 +116,10 @@ def _write_configs(tmp_path: Path) -> Path:
 
 
 def _design(channels: list[int]) -> dict[str, tuple[int, list[int]]]:
-    """syncbn_dist's collectives, from the network's shape: per BN layer (2C+1) float64 forward, 2C backward."""
-    return {
-        "forward": (len(channels), sorted({(2 * c + 1) * 8 for c in channels})),
-        "backward": (len(channels), sorted({2 * c * 8 for c in channels})),
-    }
+    """syncbn_dist's collectives, from the network's shape: per BN layer 2C + 6 float64 values each way (the
+    statistics and the collective's tag)."""
+    sizes = sorted({(2 * c + 6) * 8 for c in channels})
+    return {"forward": (len(channels), sizes), "backward": (len(channels), sizes)}
 
 
 @pytest.mark.distributed

@@ -3,7 +3,8 @@
 - ``torch.compile(model, fullgraph=True)`` trains a converted model over a process group with the aot_eager and
   inductor backends: every step equals eager mode (outputs, input and parameter gradients, running statistics,
   num_batches_tracked) with uneven and empty shards, momentum=None, channels_last input and bfloat16 autocast;
-  a compiled step runs exactly one float64 all_reduce of 2C + 1 values per layer forward and one of 2C backward.
+  a compiled step runs exactly one float64 all_reduce of 2C + 6 values per layer in each direction (the statistics and
+  the collective's tag).
 - ``torch.compile(DistributedDataParallel(model))``: no graph break beyond those DDP causes with plain BatchNorm.
 - The safety features under compile: the agreement check (``LayerMismatchError`` on every rank, at compile time),
   the global-count-1 error on every rank, debug mode (runs the layer eagerly: one graph break per layer), and

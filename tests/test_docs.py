@@ -252,6 +252,7 @@ def test_the_diagrams_are_what_the_script_draws() -> None:
         committed = (ROOT / "docs" / name).read_text()
         assert committed == draw(), f"docs/{name} differs from its drawing: python -m launch.docs.diagrams"
     step = diagrams.step_svg()
-    # The facts it draws: one payload per layer and direction, 2C+1 and 2C float64 values, empty shards under Join.
-    assert step.count("2C+1 float64") == 2 and step.count("2C float64") == 2 and "zeros, count 0" in step
+    # The facts it draws: one payload per layer and direction, 2C+6 float64 values (the statistics and the collective's
+    # tag), empty shards under Join.
+    assert step.count("2C+6 float64") == 4 and "zeros, count 0" in step
     assert "SyncMaster" in diagrams.transports_svg() and "SlavePipe" in diagrams.transports_svg()

@@ -10,7 +10,7 @@ is what a machine without a GPU can inspect.
 
 A loop nest is over activation elements when its iteration space (the product of its loops' ranges, in elements)
 exceeds ``min_elements``: the caller passes 4 x the model's largest channel count, above any per-channel loop (at most
-the 2C + 1 values of a payload) and below any activation of a batch of 8 or more.
+the 2C + 6 values of a payload) and below any activation of a batch of 8 or more.
 """
 
 from __future__ import annotations

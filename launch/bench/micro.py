@@ -56,19 +56,19 @@ TORCH_SYNCBN_MODEL = "torch SyncBatchNorm CUDA (model)"
 
 
 class _SameCollectives(torch.autograd.Function):
-    """Identity on the output of F.batch_norm that sends syncbn_dist's two collectives: (2C + 1,) float64 in forward,
-    (2C,) float64 in backward (dummy payloads)."""
+    """Identity on the output of F.batch_norm that sends syncbn_dist's two collectives: (2C + 6,) float64 in each
+    direction, the statistics and the collective's tag (dummy payloads)."""
 
     @staticmethod
     def forward(ctx: Any, output: Tensor) -> Tensor:
         num_features = output.size(1)
-        dist.all_reduce(output.new_zeros(2 * num_features + 1, dtype=torch.float64))
+        dist.all_reduce(output.new_zeros(2 * num_features + 6, dtype=torch.float64))
         ctx.num_features = num_features
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        dist.all_reduce(grad.new_zeros(2 * ctx.num_features, dtype=torch.float64))
+        dist.all_reduce(grad.new_zeros(2 * ctx.num_features + 6, dtype=torch.float64))
         return grad
 
 

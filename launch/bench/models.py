@@ -168,9 +168,9 @@ class _SyncPoint(Function):
 class FloorBatchNorm2d(nn.BatchNorm2d):
     """Plain ``nn.BatchNorm2d`` plus the two collectives a syncbn_dist layer sends: the in-step floor (f).
 
-    In training, forward all-reduces (2C+1) float64 values and backward 2C float64 values on ``process_group``
-    through autograd, as syncbn_dist does (``[count, sum, sumsq]`` and ``[sum_dy, sum_dy_xhat]``), with dummy
-    payloads. Its step time minus plain BN's is what the synchronization points cost inside a training step
+    In training, forward and backward each all-reduce 2C + 6 float64 values on ``process_group`` through autograd,
+    as syncbn_dist does (``[sum, sumsq, count]`` and ``[sum_dy, sum_dy_xhat, 0]``, each followed by the collective's
+    five-value tag: syncbn_dist.comm.tags), with dummy payloads. Its step time minus plain BN's is what the synchronization points cost inside a training step
     (waiting for the slowest rank, waking the transport's thread while the cores are busy), which no
     synchronized BatchNorm can avoid.
     """
@@ -183,8 +183,9 @@ class FloorBatchNorm2d(nn.BatchNorm2d):
         if self.training:
             # On the input, not the output: the output of a custom Function that returns a view may not be
             # modified in place (the inplace ReLU after it), and a clone would add a pass over the activations.
-            payload = torch.zeros(2 * self.num_features + 1, dtype=torch.float64, device=input.device)
-            input = _SyncPoint.apply(input, payload, 2 * self.num_features, self.process_group)
+            numel = 2 * self.num_features + 6
+            payload = torch.zeros(numel, dtype=torch.float64, device=input.device)
+            input = _SyncPoint.apply(input, payload, numel, self.process_group)
         return super().forward(input)
 
 

@@ -374,7 +374,7 @@ def _step_sections(summary: dict[str, Any]) -> list[str]:
             "forward: calls × bytes",
             "backward: calls × bytes",
             "all_gather",
-            "= design (2C+1)·8 / 2C·8",
+            "= design (2C+6)·8 each way",
             "compile s",
             "graph breaks",
         ],

@@ -106,12 +106,11 @@ def batchnorm_channels(scenario: dict[str, Any]) -> list[int]:
 
 
 def _expected_collectives(scenario: dict[str, Any]) -> dict[str, Any]:
-    """syncbn_dist's design: per layer one all_reduce of (2C+1) float64 forward, one of 2C float64 backward."""
+    """syncbn_dist's design: per layer one all_reduce of 2C + 6 float64 values in each direction (the statistics, the
+    backward's padded to the forward's size, then the collective's tag)."""
     channels = batchnorm_channels(scenario)
-    return {
-        "forward": {"count": len(channels), "bytes": sorted({(2 * c + 1) * 8 for c in channels})},
-        "backward": {"count": len(channels), "bytes": sorted({2 * c * 8 for c in channels})},
-    }
+    sizes = sorted({(2 * c + 6) * 8 for c in channels})
+    return {"forward": {"count": len(channels), "bytes": sizes}, "backward": {"count": len(channels), "bytes": sizes}}
 
 
 def _matches(counted: dict[str, Any], expected: dict[str, Any]) -> bool:

@@ -3,8 +3,9 @@ one training step. ``make docs`` runs it (``python -m launch.docs.diagrams``) an
 docs/step.svg; tests/test_docs.py checks that the committed files are what it draws.
 
 What they show is docs/design.md's account ("The statistics", "Transports", "The DataParallel exchange", "Uneven
-inputs under Join") and syncbn_dist/comm/: one float64 payload per layer forward (``[count, sum(C), sumsq(C)]``,
-2C+1 values) and one backward (``[sum(dy), sum(dy*x_hat)]``, 2C); replicas of one process exchange in-process
+inputs under Join") and syncbn_dist/comm/: one float64 payload per layer forward (``[sum(C), sumsq(C), count]``)
+and one backward (``[sum(dy), sum(dy*x_hat), 0]``), each followed by the collective's tag, 2C+6 values either way;
+replicas of one process exchange in-process
 through replica 0 (``SyncMaster``, the others' ``SlavePipe``), whose master also all-reduces over the process group
 when there is one; under ``Join``, a joined rank's listener thread answers each collective with an empty shard while
 its main thread answers DDP's.
@@ -45,15 +46,15 @@ STEP_ROWS = (
     Row("DDP's own forward collectives", _DDP, "ddp", ((3, "DDP's join hook"),)),
     Row("header: active-rank count (Join only)", _SYNC, "control", ((2, "adds 0"),)),
     Row("control before bn1 (9 float64)", _SYNC, "control"),
-    Row("bn1: [count, sum, sumsq], 2C+1 float64", _SYNC, "payload", _ZERO),
+    Row("bn1: [sum, sumsq, count, tag], 2C+6 float64", _SYNC, "payload", _ZERO),
     Row("control before bn2 (9 float64)", _SYNC, "control"),
-    Row("bn2: [count, sum, sumsq], 2C+1 float64", _SYNC, "payload", _ZERO),
+    Row("bn2: [sum, sumsq, count, tag], 2C+6 float64", _SYNC, "payload", _ZERO),
     Row("backward", (), "section"),
     Row("control before bn2 (9 float64)", _SYNC, "control"),
-    Row("bn2: [sum dy, sum dy*x_hat], 2C float64", _SYNC, "payload", _ZERO),
+    Row("bn2: [sum dy, sum dy*x_hat, 0, tag], 2C+6 float64", _SYNC, "payload", _ZERO),
     Row("DDP: gradient bucket all_reduce", _DDP, "ddp", ((3, "DDP's join hook"),)),
     Row("control before bn1 (9 float64)", _SYNC, "control"),
-    Row("bn1: [sum dy, sum dy*x_hat], 2C float64", _SYNC, "payload", _ZERO),
+    Row("bn1: [sum dy, sum dy*x_hat, 0, tag], 2C+6 float64", _SYNC, "payload", _ZERO),
     Row("DDP: gradient bucket all_reduce", _DDP, "ddp", ((3, "DDP's join hook"),)),
 )
 STEP_LEGEND = (
@@ -160,8 +161,9 @@ def transports_svg(panels: Sequence[Panel] = TRANSPORTS) -> str:
     top = 60
     drawing_h = max(process_height(p) * p.processes + link_h * (p.processes - 1) for p in panels)
     notes = (
-        "Each member sends one float64 payload per layer: [count, sum(C), sumsq(C)] forward (2C+1 values) and",
-        "[sum(dy), sum(dy*x_hat)] backward (2C). Replicas of one process send theirs to replica 0, whose SyncMaster",
+        "Each member sends one float64 payload per layer and direction: [sum(C), sumsq(C), count] forward and",
+        "[sum(dy), sum(dy*x_hat), 0] backward, each with its tag (2C+6 values). Replicas of one process send",
+        "theirs to replica 0, whose SyncMaster",
         "sums them and hands the totals back (in backward the autograd engine sums at the master's node); with a",
         "process group too, the master all-reduces the sum, so one payload per process crosses the network.",
     )

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .. import settings
 from .distributed import _AllReduceCoalesced, all_gather_bytes, resolve_group
-from .tags import BACKWARD, LayerMismatchError, describe_disagreement, layer_tags
+from .tags import BACKWARD, LayerMismatchError, describe_disagreement, layer_tags, traced_constants
 
 __all__ = [
     "CheckedTransport",
@@ -248,8 +248,8 @@ def verify_while_tracing(group_name: str, identity: str, forward: str, key: str,
         key, description: as :func:`verify` takes them.
 
     Returns:
-        The tags' numbers and values, constants of the graph: ``(index, *values)`` of the forward's, then of the
-        backward's (:func:`syncbn_dist.comm.tags.traced_tags`).
+        The tags as constants of the graph: :func:`~syncbn_dist.comm.tags.traced_constants` of the forward's, then of
+        the backward's (:func:`syncbn_dist.comm.tags.traced_tags` reads them).
 
     Raises:
         LayerMismatchError: as :func:`verify`, at compile time, on every member.
@@ -270,4 +270,4 @@ def _verify_once(group_name: str, identity: str, forward: str, key: str, descrip
         verify(group, forward_tag, key, description, traced=True)
         window.seen.update({(t.identity, t.direction) for t in (forward_tag, backward_tag)})
     window.state = "closed"  # this rank compiles: its eager calls, if it falls back to eager, gather nothing
-    return (forward_tag.index, *forward_tag.values, backward_tag.index, *backward_tag.values)
+    return (*traced_constants(forward_tag), *traced_constants(backward_tag))

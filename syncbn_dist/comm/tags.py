@@ -53,6 +53,7 @@ __all__ = [
     "raise_pending_mismatch",
     "summed_tags_agree",
     "tag_for",
+    "traced_constants",
     "traced_tags",
 ]
 
@@ -69,7 +70,14 @@ _RECORD_BYTES = 256
 
 
 class LayerMismatchError(ValueError):
-    """Members of a synchronization group reached different synchronized layers (raised on every member)."""
+    """Members of a synchronization group reached different synchronized collectives: another layer, or the other
+    direction (raised on every member at that collective).
+
+    Raised by the collective tags every payload carries (:mod:`syncbn_dist.comm.tags`), by the gather check of a
+    group's first step and of debug mode (:mod:`syncbn_dist.comm.agreement`), and under ``Join`` by the controls that
+    announce each collective to the joined ranks. Inside a compiled graph on CUDA, a mismatch is a device-side
+    assertion instead (no host code runs there). A ``ValueError``, as a bad input is.
+    """
 
 
 def describe_disagreement(records: list[list[str]], group: Any) -> str:
@@ -167,21 +175,31 @@ class CollectiveTag:
 
 
 class TracedTag(NamedTuple):
-    """A :class:`CollectiveTag` as constants of a traced graph: its number and its five values."""
+    """A :class:`CollectiveTag` as constants of a traced graph: its number, its five values, and what it names."""
 
     index: int
     values: tuple[float, ...]
+    name: str
 
 
 #: The tag of a collective with no peer (a group of one): its sums are its own, nothing is checked.
-NO_TAG = TracedTag(-1, (1.0, 0.0, 0.0, 0.0, 0.0))
+NO_TAG = TracedTag(-1, (1.0, 0.0, 0.0, 0.0, 0.0), "")
+
+
+def traced_constants(tag: CollectiveTag) -> tuple[Any, ...]:
+    """``tag`` as the constants a trace-time function returns: ``(index, *values, name)``."""
+    return (tag.index, *tag.values, f"{tag.description}: {tag.direction}")
 
 
 def traced_tags(constants: tuple[Any, ...]) -> tuple[TracedTag, TracedTag]:
-    """The forward and backward :class:`TracedTag` from ``(index, *values)`` of each, in one flat tuple (what the
+    """The forward and backward :class:`TracedTag` from :func:`traced_constants` of each, in one flat tuple (what the
     trace-time check returns: :func:`syncbn_dist.comm.agreement.verify_while_tracing`)."""
-    size = 1 + TAG_SIZE
-    return TracedTag(constants[0], tuple(constants[1:size])), TracedTag(constants[size], tuple(constants[size + 1:]))
+    size = 2 + TAG_SIZE
+    forward, backward = constants[:size], constants[size:]
+    return (
+        TracedTag(forward[0], tuple(forward[1:-1]), forward[-1]),
+        TracedTag(backward[0], tuple(backward[1:-1]), backward[-1]),
+    )
 
 
 _TAGS: dict[tuple[str, str], CollectiveTag] = {}
@@ -311,7 +329,23 @@ def _(total: Tensor, tag_index: int) -> Tensor:
 _tag_checked.register_autograd(lambda ctx, grad: (grad, None))
 
 
-def checked_in_graph(total: Tensor, tag_index: int) -> Tensor:
-    """:meth:`CollectiveTag.verify` of ``total`` with the tag numbered ``tag_index``, as an op of the traced graph;
-    returns the checked total, which the caller uses in place of ``total``."""
-    return torch.ops.syncbn_dist.tag_checked(total, tag_index)
+def checked_in_graph(total: Tensor, tag: TracedTag) -> Tensor:
+    """:meth:`CollectiveTag.verify` of ``total`` inside a traced graph; returns the checked total, which the caller uses
+    in place of ``total``.
+
+    On the CPU, the custom op ``syncbn_dist::tag_checked``: it raises :class:`LayerMismatchError` at the collective,
+    on every member. On CUDA, no host code at all (a Python op per layer and direction would cost a compiled GPU step
+    tens of microseconds each): ``torch._assert_async`` of ``sum_i (f_i - f)**2 + (g_i - g)**2 == 0``, which inductor
+    fuses into a kernel and CUDA graphs replay; a mismatch stops the process with CUDA's device-side assertion,
+    whose message names the layer and direction, instead of mixing statistics."""
+    if not total.is_cuda:
+        return torch.ops.syncbn_dist.tag_checked(total, tag.index)
+    _, f, f_square, g, g_square = tag.values
+    weights = total.new_tensor([f_square + g_square, -2.0 * f, 1.0, -2.0 * g, 1.0])
+    discrepancy = (total[-TAG_SIZE:] * weights).sum()
+    torch._assert_async(
+        discrepancy == 0.0,
+        f"syncbn_dist LayerMismatchError: members of a process group ran different synchronized collectives; this "
+        f"member was at {tag.name}",
+    )
+    return total

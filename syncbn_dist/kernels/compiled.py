@@ -458,10 +458,11 @@ def layer_forward(
 
 
 def _traced_check(tag: Any, input: Tensor) -> tuple[Tensor, Optional[Callable[[Tensor], Tensor]]]:
-    """The tag's values as a constant of the traced graph, and the op that checks a summed payload there (None for a
-    collective without peers, :data:`~syncbn_dist.comm.tags.NO_TAG`)."""
+    """The tag's values as a constant of the traced graph, and what checks a summed payload there
+    (:func:`~syncbn_dist.comm.tags.checked_in_graph`; None for a collective without peers,
+    :data:`~syncbn_dist.comm.tags.NO_TAG`)."""
     values = torch.tensor(tag.values, dtype=_F64, device=input.device)
-    return values, None if tag.index < 0 else functools.partial(checked_in_graph, tag_index=tag.index)
+    return values, None if tag.index < 0 else functools.partial(checked_in_graph, tag=tag)
 
 
 def layer_backward(
