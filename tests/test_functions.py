@@ -9,6 +9,7 @@ torch.distributed), so the whole forward/backward path, including the backward t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch

@@ -169,10 +169,10 @@ def test_clip_mode_dataparallel_matches_hand_written_float64(clip_mode: None, on
 
 # Measured with torch 2.13 CPU, (4, 8, 3, 3) float32, world size 2 over gloo: native 187, compiled 430 (the module's
 # Python and torch.distributed's group lookups included; 169 and 393 the same day before every collective carried its
-# tag, syncbn_dist.comm.tags: the tags' lookup and verification, and the regions' tag argument and output). Before each layer kept its transport until the groups change
-# (syncbn_dist.comm.distributed.cached_distributed_transport) and asked is_compiling once per forward: 227 and 459;
-# before the eager path read the kernel switch first, looked up nothing for the compiled kernels on the native ones
-# and called is_compiling once per direction: 342 and 478.
+# tag, syncbn_dist.comm.tags: the tags' lookup and verification, and the regions' tag argument and output). Before
+# each layer kept its transport until the groups change (syncbn_dist.comm.distributed.cached_distributed_transport)
+# and asked is_compiling once per forward: 227 and 459; before the eager path read the kernel switch first, looked up
+# nothing for the compiled kernels on the native ones and called is_compiling once per direction: 342 and 478.
 # Through torch.compile's per-call machinery (Dynamo's frame entry and guards, AOT autograd's wrappers) rather than
 # direct calls of the two regions' inductor graphs (syncbn_dist.kernels.direct_call), compiled was 759; with torch's
 # own Function.apply, which binds the arguments with inspect on every call

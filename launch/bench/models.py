@@ -170,9 +170,9 @@ class FloorBatchNorm2d(nn.BatchNorm2d):
 
     In training, forward and backward each all-reduce 2C + 6 float64 values on ``process_group`` through autograd,
     as syncbn_dist does (``[sum, sumsq, count]`` and ``[sum_dy, sum_dy_xhat, 0]``, each followed by the collective's
-    five-value tag: syncbn_dist.comm.tags), with dummy payloads. Its step time minus plain BN's is what the synchronization points cost inside a training step
-    (waiting for the slowest rank, waking the transport's thread while the cores are busy), which no
-    synchronized BatchNorm can avoid.
+    five-value tag: syncbn_dist.comm.tags), with dummy payloads. Its step time minus plain BN's is what the
+    synchronization points cost inside a training step (waiting for the slowest rank, waking the transport's thread
+    while the cores are busy), which no synchronized BatchNorm can avoid.
     """
 
     def __init__(self, *args: Any, process_group: Optional[Any] = None, **kwargs: Any) -> None:
