@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import pickle
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -653,3 +654,68 @@ def test_a_launcher_world_without_a_process_group_warns_once_naming_the_layer(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         layer.train()(torch.randn(4, 3))  # one process: nothing to warn about
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Copies of a model on a subgroup: deepcopy keeps the group, pickling saves none
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _teacher_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.Linear(3, 2))
+
+
+def _ema_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """A student under DDP and its EMA copy (a teacher, run in train mode under no_grad each step), both on a subgroup
+    made by new_group: the copy synchronizes over the same group object; each step's teacher output and running
+    statistics are returned, with what a pickled student's layer synchronizes over."""
+    group = dist.new_group(list(range(world_size)))
+    student = convert_model(_teacher_net(), process_group=group)
+    teacher = copy.deepcopy(student)
+    assert teacher[1].process_group is group and copy.copy(student[1]).process_group is group
+    ddp = nn.parallel.DistributedDataParallel(student)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    outputs, stats = [], []
+    for step in range(3):
+        x = torch.randn(3 + rank, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        optimizer.zero_grad()
+        ddp(x).square().sum().backward()
+        optimizer.step()
+        with torch.no_grad():
+            for t, s in zip(teacher.parameters(), student.parameters()):
+                t.lerp_(s, 0.5)
+            outputs.append(teacher(x).double())
+        assert teacher[1].last_transport == "distributed"
+        stats.append([teacher[1].running_mean.double().clone(), teacher[1].running_var.double().clone()])
+    loaded = pickle.loads(pickle.dumps(student[1]))  # torch.save pickles the same way
+    loaded_group = loaded.process_group
+    loaded(torch.randn(4, 3))
+    return {"outputs": outputs, "stats": stats, "loaded": (loaded_group, loaded.last_transport)}
+
+
+def test_an_ema_copy_on_a_subgroup_keeps_the_group_and_equals_batchnorm_on_the_global_batch() -> None:
+    results = run_distributed(_ema_worker, 2, timeout=60)
+    student, teacher = _teacher_net().double(), None
+    teacher = copy.deepcopy(student)
+    # DDP averages the ranks' gradients of their own losses: the global loss's gradient over the world size.
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.1 / 2)
+    for step in range(3):
+        xs = [torch.randn(3 + rank, 4, generator=torch.Generator().manual_seed(10 * step + rank)) for rank in (0, 1)]
+        x = torch.cat(xs).double()
+        optimizer.zero_grad()
+        student(x).square().sum().backward()
+        optimizer.step()
+        with torch.no_grad():
+            for t, s in zip(teacher.parameters(), student.parameters()):
+                t.lerp_(s, 0.5)
+            out = teacher(x)
+        for rank, expected in enumerate(out.split([3, 4])):
+            # float32 layers against float64: float32 rounding of O(1) values over three steps.
+            assert_close(results[rank]["outputs"][step], expected, f"teacher output, rank {rank}, step {step}",
+                         rtol=1e-4, atol=1e-5)
+            for got, want, name in zip(results[rank]["stats"][step], (teacher[1].running_mean, teacher[1].running_var),
+                                       ("running_mean", "running_var")):
+                assert_close(got, want, f"teacher {name}, rank {rank}, step {step}", rtol=1e-4, atol=1e-6)
+    # A pickled layer (torch.save of the model) saves no group: loaded, it synchronizes over the default group.
+    assert [result["loaded"] for result in results] == [(None, "distributed")] * 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -211,6 +212,30 @@ def test_missing_slave_times_out_the_master_and_wakes_the_slaves_that_arrived() 
         # Woken by the master's abort (their own wait is LONG), with the master's reason.
         assert isinstance(thread.error, ReplicaSyncError)
         assert "did not reach" in str(thread.error.__cause__)
+
+
+@pytest.mark.timeout(60)
+def test_a_slave_waits_for_the_masters_collective_past_its_timeout_but_not_for_a_missing_master() -> None:
+    """replica_timeout bounds the wait for this process's replicas only: once the master has every message, a slave
+    waits for its callback (a collective over processes, bounded by the process group's timeout) as long as it runs;
+    a master that never arrives is reported within the timeout."""
+    timeout = 0.2
+
+    def slow_callback(items: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        time.sleep(5 * timeout)  # a peer process that is late at the all_reduce
+        return [(copy_id, msg + 1) for copy_id, msg in items]
+
+    master = SyncMaster(slow_callback, timeout=timeout)
+    slave = _start(lambda: master.register_slave(1).run_slave(10))
+    assert master.run_master(0) == 1
+    slave.join()
+    assert slave.error is None and slave.result == 11
+
+    absent = SyncMaster(lambda items: items, timeout=timeout)
+    started = time.monotonic()
+    with pytest.raises(ReplicaSyncError, match=f"no result from the master replica within {timeout} s"):
+        absent.register_slave(1).run_slave(10)  # the master replica never comes
+    assert time.monotonic() - started < 10 * timeout
 
 
 @pytest.mark.timeout(60)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
+import syncbn_dist
 from launch.common.counting import CollectiveCounter
 from launch.common.spawn import run_distributed
 from syncbn_dist import DataParallelWithCallback, SyncBatchNormJoinable, convert_model, join_layers
@@ -86,7 +87,10 @@ def _train_uneven(rank: int, world_size: int, counts: list[int], setup: dict[str
     CPU."""
     torch.manual_seed(0)
     device = torch.device(setup.get("device", "cpu"))
-    model = convert_model(_net(setup.get("momentum", 0.1))).to(device)
+    if setup.get("torch_class"):  # torch.nn.SyncBatchNorm layers, built by torch's converter, under syncbn_dist's patch
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(_net(setup.get("momentum", 0.1))).to(device)
+    else:
+        model = convert_model(_net(setup.get("momentum", 0.1))).to(device)
     if setup.get("cpu_replicas"):
         model = DataParallelWithCallback(model, cpu_replicas=setup["cpu_replicas"])
     wrapped = DistributedDataParallel(model) if setup["ddp"] else model
@@ -237,6 +241,20 @@ def test_uneven_batch_counts_under_join_equal_batchnorm_on_the_active_ranks_unio
     _assert_matches_reference(results, len(counts), counts, setup)
 
 
+def _train_uneven_patched(rank: int, world_size: int, counts: list[int], setup: dict[str, Any]) -> dict[str, Any]:
+    with syncbn_dist.patch_torch_sync_batchnorm():
+        return _train_uneven(rank, world_size, counts, {**setup, "torch_class": True})
+
+
+@pytest.mark.parametrize("counts", [[1, 3], [2, 0, 3]], ids=["W2-1-3", "W3-2-0-3"])
+def test_torchs_patched_class_under_join_of_its_ddp_model_is_exact(counts: list[int]) -> None:
+    """torch.nn.SyncBatchNorm layers (torch's converter) under patch_torch_sync_batchnorm: Join([ddp]) finds them as
+    it finds syncbn_dist's own, and every step equals float64 BatchNorm on the active ranks' union."""
+    setup = {"ddp": True, "ddp_alone": True}
+    results = run_distributed(_train_uneven_patched, len(counts), counts, setup, timeout=90, collective_timeout=30)
+    _assert_matches_reference(results, len(counts), counts, setup)
+
+
 class _Reordering(nn.Module):
     """Two synchronized layers whose order changes from step to step, or from rank to rank."""
 
@@ -343,3 +361,207 @@ def test_join_holds_no_process_group_past_destroy_process_group() -> None:
     abort the process ("terminate called without an active exception", exit code -6, after the README's Join recipe
     had printed its result)."""
     assert run_distributed(_groups_after_destroy_worker, 2) == [[False], [False]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Several joinables in one Join, process subgroups, and torch's patched class
+# ---------------------------------------------------------------------------------------------------------------
+
+SETUPS = ["two join_layers", "ddp and a target network", "two ddp", "a layer shared by both"]
+
+
+def _pair(how: str, double: bool = False) -> tuple[nn.Module, nn.Module]:
+    """Models A and B (B's first BatchNorm is A's for "a layer shared by both"), the same on every rank and in the
+    reference; synchronized unless ``double`` (the float64 reference)."""
+    torch.manual_seed(0)
+    a, b = _net(), _net()
+    if how == "a layer shared by both":
+        b[1] = a[1]
+    if double:
+        return a.double(), b.double()
+    return convert_model(a), convert_model(b)
+
+
+def _step_of_pair(a: Any, b: Any, x: Tensor, w: Tensor, how: str) -> dict[str, Any]:
+    """A trains on ``x``; B trains too, or, as a target network (BYOL, MoCo), runs in train mode under no_grad."""
+    x = x.clone().requires_grad_()
+    out_a = a(x)
+    (out_a * w).sum().backward()
+    if how == "ddp and a target network":
+        with torch.no_grad():
+            out_b = b(x.detach())
+    else:
+        out_b = b(x.detach())
+        (out_b * w).sum().backward()
+    return {"out": [out_a.detach(), out_b.detach()], "grad_input": x.grad}
+
+
+def _records_of(a: nn.Module, b: nn.Module, step: dict[str, Any]) -> dict[str, Any]:
+    grads = [p.grad.to(torch.float64, copy=True) for p in (*a.parameters(), *b.parameters()) if p.grad is not None]
+    return {**{k: v for k, v in step.items()}, "grads": grads, "stats": _running_stats(a) + _running_stats(b)}
+
+
+def _pair_worker(rank: int, world_size: int, counts: list[int], how: str) -> list[dict[str, Any]]:
+    a, b = _pair(how)
+    wrapped_a, wrapped_b = a, b
+    if how == "two join_layers" or how == "a layer shared by both":
+        joinables = [join_layers(a), join_layers(b)]
+    elif how == "ddp and a target network":
+        wrapped_a = DistributedDataParallel(a)
+        joinables = [wrapped_a, join_layers(b)]  # the online network's layers: found through its DDP
+    else:
+        wrapped_a, wrapped_b = DistributedDataParallel(a), DistributedDataParallel(b)
+        joinables = [wrapped_a, wrapped_b]
+    records = []
+    with Join(joinables):
+        for x, w in _batches(rank, counts):
+            for model in (a, b):
+                model.zero_grad(set_to_none=True)
+            step = _step_of_pair(wrapped_a, wrapped_b, x.float(), w.float(), how)
+            records.append(_records_of(a, b, step))
+    records.append({"stats": _running_stats(a) + _running_stats(b)})  # after the Join, the joined ranks' included
+    return records
+
+
+def _assert_pair_matches_reference(results: list[list[dict[str, Any]]], counts: list[int], how: str) -> None:
+    a, b = _pair(how, double=True)
+    batches = [_batches(rank, counts) for rank in range(len(counts))]
+    ddp_a, ddp_b = how in ("ddp and a target network", "two ddp"), how == "two ddp"
+    for step in range(max(counts)):
+        active = [rank for rank in range(len(counts)) if step < counts[rank]]
+        for model in (a, b):
+            model.zero_grad(set_to_none=True)
+        x = torch.cat([batches[rank][step][0] for rank in active])
+        w = torch.cat([batches[rank][step][1] for rank in active])
+        expected = _step_of_pair(a, b, x, w, how)
+        expected = _records_of(a, b, expected)
+        sizes = [batches[rank][step][0].size(0) for rank in active]
+        for rank in active:
+            got, where = results[rank][step], f"{how}: rank {rank}, step {step}"
+            for i in range(2):
+                assert_close(got["out"][i], expected["out"][i].split(sizes)[active.index(rank)], f"output {i}, {where}",
+                             **TOLERANCE)
+            assert_close(got["grad_input"], expected["grad_input"].split(sizes)[active.index(rank)],
+                         f"input gradient, {where}", **TOLERANCE)
+            for i, (s, e) in enumerate(zip(got["stats"], expected["stats"])):
+                assert_close(s, e, f"running statistic {i}, {where}", **TOLERANCE)
+        # Parameter gradients: DDP's average times the initial world size (a DDP model), or the ranks' sum.
+        count_a = len(list(a.parameters()))
+        for i, e in enumerate(expected["grads"]):
+            ddp = ddp_a if i < count_a else ddp_b
+            got = results[active[0]][step]["grads"][i] * len(counts) if ddp else sum(
+                results[rank][step]["grads"][i] for rank in active
+            )
+            assert_close(got, e, f"{how}: parameter gradient {i}, step {step}", **TOLERANCE)
+    final = _running_stats(a) + _running_stats(b)
+    for rank, result in enumerate(results):
+        for i, (s, e) in enumerate(zip(result[-1]["stats"], final)):
+            assert_close(s, e, f"{how}: running statistic {i} after the Join, rank {rank}", **TOLERANCE)
+
+
+@pytest.mark.parametrize("how", SETUPS)
+@pytest.mark.parametrize("counts", [[1, 3], [2, 0, 3]], ids=["W2-1-3", "W3-2-0-3"])
+def test_several_joinables_in_one_join_equal_batchnorm_on_the_active_ranks_union(counts: list[int], how: str) -> None:
+    """Two models under one Join, each layer's outputs, gradients and running statistics against float64 BatchNorm
+    on the active ranks' union: every joinable's layers share one copy of their group and one listener per rank."""
+    results = run_distributed(_pair_worker, len(counts), counts, how, timeout=90, collective_timeout=30)
+    _assert_pair_matches_reference(results, counts, how)
+
+
+def _subgroup_worker(rank: int, world_size: int, counts: list[int], by_hand: bool) -> list[dict[str, Any]]:
+    """Groups of two ranks in a world of four, made by new_sync_groups or by hand, under Join([ddp]) (DDP over the
+    world): the groups' uneven batch counts, one group running out while the other goes on."""
+    if by_hand:
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+        group = groups[rank // 2]
+    else:
+        group = syncbn_dist.new_sync_groups(2)
+    model = convert_model(_net(), process_group=group)
+    # Each group keeps its own running statistics: DDP's buffer broadcast from one rank would overwrite the others'.
+    ddp = DistributedDataParallel(model, broadcast_buffers=False)
+    records = []
+    with Join([ddp]):
+        for x, w in _batches(rank, counts):
+            model.zero_grad(set_to_none=True)
+            x = x.float().requires_grad_()
+            out = ddp(x)
+            (out * w.float()).sum().backward()
+            records.append(
+                {
+                    "out": out.detach().double(),
+                    "grad_input": x.grad.double(),
+                    "grads": [p.grad.to(torch.float64, copy=True) for p in model.parameters()],
+                    "stats": _running_stats(model),
+                }
+            )
+    records.append({"stats": _running_stats(model)})
+    return records
+
+
+@pytest.mark.parametrize("by_hand", [False, True], ids=["new_sync_groups", "process_group by hand"])
+def test_join_on_process_subgroups_is_exact_per_subgroup(by_hand: bool) -> None:
+    """W=4, groups {0, 1} and {2, 3}: each group's layers equal float64 BatchNorm on the union of that group's active
+    ranks, while the group {0, 1} runs out first (its ranks join) and {2, 3} goes on."""
+    counts = [1, 2, 4, 3]
+    results = run_distributed(_subgroup_worker, 4, counts, by_hand, timeout=120, collective_timeout=30)
+    batches = [_batches(rank, counts) for rank in range(4)]
+    references = [_net().double() for _ in range(2)]
+    for step in range(max(counts)):
+        summed: Optional[list[Tensor]] = None
+        for index, reference in enumerate(references):
+            members = [rank for rank in (2 * index, 2 * index + 1) if step < counts[rank]]
+            if not members:
+                continue
+            reference.zero_grad(set_to_none=True)
+            x = torch.cat([batches[rank][step][0] for rank in members]).requires_grad_()
+            out = reference(x)
+            (out * torch.cat([batches[rank][step][1] for rank in members])).sum().backward()
+            sizes = [batches[rank][step][0].size(0) for rank in members]
+            for rank, expected_out, expected_grad in zip(members, out.detach().split(sizes), x.grad.split(sizes)):
+                got, where = results[rank][step], f"rank {rank}, step {step}"
+                assert_close(got["out"], expected_out, f"output, {where}", **TOLERANCE)
+                assert_close(got["grad_input"], expected_grad, f"input gradient, {where}", **TOLERANCE)
+                for i, (s, e) in enumerate(zip(got["stats"], _running_stats(reference))):
+                    assert_close(s, e, f"running statistic {i}, {where}", **TOLERANCE)
+            grads = [p.grad for p in reference.parameters()]
+            summed = grads if summed is None else [g + h for g, h in zip(summed, grads)]
+        active = next(rank for rank in range(4) if step < counts[rank])
+        assert summed is not None
+        for i, expected in enumerate(summed):  # DDP's average over the world times its size: the sum over groups
+            assert_close(results[active][step]["grads"][i] * 4, expected, f"parameter gradient {i}, step {step}",
+                         **TOLERANCE)
+    for rank in range(4):  # after the Join: the joined ranks kept their group's running statistics in step
+        for i, (s, e) in enumerate(zip(results[rank][-1]["stats"], _running_stats(references[rank // 2]))):
+            assert_close(s, e, f"running statistic {i} after the Join, rank {rank}", **TOLERANCE)
+
+
+def _buffer_writers_worker(rank: int, world_size: int) -> list[str]:
+    """Rank 0 has one batch, rank 1 three, under Join([ddp]) with DDP's buffer broadcast (its default): the threads
+    that wrote rank 0's running statistics from the totals its listener answered (DDP's broadcast writes them on the
+    main thread)."""
+    import threading
+
+    writers: list[str] = []
+    update = torch_join.update_running_stats
+
+    def recording(*args: Any) -> None:
+        writers.append(threading.current_thread().name)
+        update(*args)
+
+    torch_join.update_running_stats = recording
+    try:
+        model = convert_model(_net())
+        ddp = DistributedDataParallel(model)  # broadcast_buffers=True
+        with Join([ddp]):
+            for x, w in _batches(rank, [1, 3]):
+                (ddp(x.float()) * w.float()).sum().backward()
+    finally:
+        torch_join.update_running_stats = update
+    return writers
+
+
+def test_a_joined_ranks_buffers_are_written_by_its_main_thread_only() -> None:
+    """The listener thread hands the totals over; the main thread, which also runs DDP's buffer broadcast, applies
+    them: two layers, two steps after rank 0 joined, four updates, all on the main thread."""
+    writers, _ = run_distributed(_buffer_writers_worker, 2)
+    assert writers == ["MainThread"] * 4, writers

@@ -134,6 +134,27 @@ def test_clip_mode_local_path_matches_hand_written_float64(clip_mode: None, shap
     _check_clip([out.detach()], [x.grad], [x.detach()], [dy], layer, initial, f"local {shape}")
 
 
+def test_clip_mode_without_running_statistics_applies_in_one_process(clip_mode: None) -> None:
+    """track_running_stats=False, one process, no peer: "clip" still normalizes by sqrt(max(var, eps)), as it does
+    with tracking and over any number of peers (it used to fall back to var + eps here, 3.8e-2 away)."""
+    layer = SynchronizedBatchNorm2d(4, eps=EPS, track_running_stats=False)
+    initial = _initial(layer)
+    x = _data((5, 4, 3, 2), seed=1).requires_grad_()
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    out = layer(x)
+    out.backward(dy)
+    weight = initial["weight"].double().requires_grad_()
+    bias = initial["bias"].double().requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    ref, _ = _clip_reference(x64, weight, bias, EPS)
+    ref.backward(dy.double())
+    # float32 data and arithmetic on O(1) values (the clipped channel's x - mean is ~1e-3): float32 rounding.
+    torch.testing.assert_close(out.detach().double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-5)
+    # Sums over the batch of O(1) products: float32 sums.
+    torch.testing.assert_close(layer.weight.grad.double(), weight.grad, rtol=1e-4, atol=1e-4)
+
+
 def test_clip_mode_differs_from_plus_where_the_variance_is_below_eps() -> None:
     """The per-layer attribute overrides the global default, and the modes really differ on a clipped channel."""
     x = _data((6, 4, 3), seed=3)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -880,3 +881,34 @@ def test_convert_model_keeps_data_parallel_settings_on_cuda() -> None:
     assert type(converted) is DataParallelWithCallback
     assert (converted.device_ids, converted.output_device, converted.dim) == (device_ids, device_ids[-1], 1)
     assert isinstance(converted.module[1], SynchronizedBatchNorm1d)
+
+
+def _late_peer_worker(rank: int, world_size: int, replica_timeout: float) -> None:
+    """2 processes x 2 replicas; rank 0 arrives 2.5 x replica_timeout late (saving a checkpoint, say): rank 1's
+    replicas wait in the master's all_reduce, past their timeout, and the step is exact."""
+    sync, ref = _pair("2d")
+    sync.replica_timeout = replica_timeout
+    per_rank = [[3, 2], [1, 4]]
+    flat = [n for splits in per_rank for n in splits]
+    start = sum(sum(s) for s in per_rank[:rank])
+    mine = slice(start, start + sum(per_rank[rank]))
+    x, grad = _data(sum(flat), (3, 2), mean=0.5, seed=1), _data(sum(flat), (3, 2), seed=2)
+    parts = [p.float().requires_grad_() for p in x[mine].split(per_rank[rank])]
+    if rank == 0:
+        time.sleep(2.5 * replica_timeout)
+    out = torch.cat(_run_replicas(_replicas(sync, 2), parts))
+    out.backward(grad[mine].float())
+    x_ref = x.clone().requires_grad_()
+    out_ref = ref(x_ref)
+    out_ref.backward(grad)
+    # O(1) values through float32 normalization.
+    torch.testing.assert_close(out.double(), out_ref[mine].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([p.grad for p in parts]).double(), x_ref.grad[mine], rtol=1e-5, atol=1e-5)
+    _assert_state_close(sync, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_a_late_peer_process_is_waited_for_past_the_replica_timeout() -> None:
+    """replica_timeout bounds the wait for this process's replicas; the master's collective over processes follows
+    the process group's timeout (60 s here), so a peer process late by more than replica_timeout is no failure."""
+    run_distributed(_late_peer_worker, 2, 1.0, timeout=60, collective_timeout=60)

@@ -29,6 +29,7 @@ an order the listener cannot follow. docs/design.md, "Uneven inputs under Join".
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -87,29 +88,48 @@ class _Announcement:
 
 
 class JoinSession:
-    """The state of one group's synchronized layers inside one ``Join`` context, on this rank.
+    """The state of one group's synchronized layers inside ``Join`` contexts, on this rank: shared by every joinable
+    whose layers use the group (one copy of the group, one listener thread, whatever the number of models).
 
     Args:
         process_group: the group the layers' collectives run on under ``Join``: a copy of their own group, used by
             nothing else (see the module docstring).
         device: where controls and an empty shard's payloads live (the layers' device: CPU for gloo, the current
             CUDA device for nccl).
-        on_forward_total: called by the listener with ``(layer, total)`` for every summed forward payload
-            ``[sum (C), sum of squares (C), count, tag (5)]`` it answered whose layer updated its running statistics, so
-            that
-            a joined rank keeps its own in step (``layer`` is the code the layer's :class:`JoinTransport` was given).
+
+    The layers are numbered per session (:meth:`code_of`), the same on every rank: the controls carry the number.
+    A joined rank's listener keeps the summed forward payloads ``[sum (C), sum of squares (C), count, tag (5)]`` of
+    the layers that update their running statistics (:meth:`take_forward_totals`), for the main thread to apply: the
+    listener never writes a layer's buffers, which DistributedDataParallel's buffer broadcast writes on the main
+    thread of a joined rank too.
     """
 
-    def __init__(
-        self, process_group: Any, device: torch.device, on_forward_total: Callable[[int, Tensor], None]
-    ) -> None:
+    def __init__(self, process_group: Any, device: torch.device) -> None:
         self.transport = DistributedTransport(process_group)
         self.size = torch.distributed.get_world_size(process_group)
         self.device = device
-        self.on_forward_total = on_forward_total
         self.peers_joined = False
         self._listener: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self._codes: dict[int, int] = {}  # id(layer) -> code
+        self._layers: list[Callable[[], Any]] = []  # by code - 1: weak references to the layers
+        self._forward_totals: list[tuple[Any, Tensor]] = []
+        self._lock = threading.Lock()
+
+    def code_of(self, layer: Any) -> int:
+        """The number of ``layer`` in this session, from 1 (the same layer, bound by several joinables, gets one)."""
+        code = self._codes.get(id(layer))
+        if code is None or self._layers[code - 1]() is not layer:
+            self._layers.append(weakref.ref(layer))
+            code = self._codes[id(layer)] = len(self._layers)
+        return code
+
+    def take_forward_totals(self) -> list[tuple[Any, Tensor]]:
+        """The ``(layer, summed forward payload)`` the listener answered since the last call, in order (a joined
+        rank's main thread updates the layers' running statistics from them)."""
+        with self._lock:
+            totals, self._forward_totals = self._forward_totals, []
+        return totals
 
     @property
     def process_group(self) -> Any:
@@ -187,7 +207,10 @@ class JoinSession:
                 if not summed_tags_agree(total[-TAG_SIZE:].tolist()):  # (the active ranks raise at this collective)
                     raise LayerMismatchError(self._mismatch("while this rank had joined (their collectives' tags)"))
                 if announcement.kind == _TRACKED_FORWARD:
-                    self.on_forward_total(announcement.layer, total)
+                    layer = self._layers[announcement.layer - 1]()
+                    if layer is not None:
+                        with self._lock:
+                            self._forward_totals.append((layer, total))
         except BaseException as error:  # noqa: B036 - handed to the main thread by finish()
             self._error = error
 
@@ -206,7 +229,7 @@ class JoinTransport:
 
     Args:
         session: this layer's :class:`JoinSession`.
-        layer: the layer's code, the same on every rank (its position in the model, from 1).
+        layer: the layer's code in the session, the same on every rank (:meth:`JoinSession.code_of`).
     """
 
     name = "distributed"

@@ -55,18 +55,27 @@ class FutureResult:
     """A single-slot result that one thread puts and another waits for, with a timeout.
 
     ``put`` may carry an exception instead (see :meth:`put_error`); ``get`` then raises
-    :class:`ReplicaSyncError` from it.
+    :class:`ReplicaSyncError` from it. The producer can say that the result is on its way (:meth:`mark_collected`):
+    the timeout then no longer applies, as the rest of the wait is the producer's own (a collective over processes,
+    bounded by the process group's timeout).
     """
 
     def __init__(self) -> None:
         self._result: Any = None
         self._ready = False
+        self._collected = False
         self._cond = threading.Condition(threading.Lock())
 
     def put(self, result: Any) -> None:
         with self._cond:
             self._result = result
             self._ready = True
+            self._cond.notify_all()
+
+    def mark_collected(self) -> None:
+        """The producer has what it needs from the waiters: the result comes without the waiters' timeout."""
+        with self._cond:
+            self._collected = True
             self._cond.notify_all()
 
     def put_error(self, error: BaseException, copy_id: Optional[int] = None, where: str = "") -> None:
@@ -77,12 +86,14 @@ class FutureResult:
         """Wait for the result and take it (the slot is empty again afterwards).
 
         Raises:
-            ReplicaSyncError: after ``timeout`` seconds, or if an error was put.
+            ReplicaSyncError: after ``timeout`` seconds without the result or :meth:`mark_collected`, or if an error
+                was put.
         """
         with self._cond:
-            if not self._cond.wait_for(lambda: self._ready, timeout):
+            if not self._cond.wait_for(lambda: self._ready or self._collected, timeout):
                 raise ReplicaSyncError(f"no result from the master replica within {timeout} s")
-            result, self._result, self._ready = self._result, None, False
+            self._cond.wait_for(lambda: self._ready)
+            result, self._result, self._ready, self._collected = self._result, None, False, False
         if isinstance(result, _Failure):
             raise result.to_error() from result.error
         return result
@@ -212,6 +223,10 @@ class SyncMaster:
                 raise item.to_error() from item.error
             intermediates.append(item)
         intermediates.sort(key=lambda pair: pair[0])
+        # Every replica of this process has arrived: their wait for the result no longer counts against the replicas'
+        # timeout (the callback may all-reduce over processes, whose own timeout bounds it).
+        for future in self._registry.values():
+            future.mark_collected()
         try:
             results = self._master_callback(intermediates)
         except BaseException as error:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import weakref
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ from ..comm.tags import LayerMismatchError
 from ..kernels.statistics import moments_of_total
 from ..layer.batchnorm import SyncBatchNorm
 from ..layer.statistics import update_running_stats
+from .torch_patch import is_torch_sync_batchnorm_patched
 
 __all__ = ["SyncBatchNormJoinable", "extend_torch_join", "join_layers", "restore_torch_join"]
 
@@ -53,8 +54,18 @@ __all__ = ["SyncBatchNormJoinable", "extend_torch_join", "join_layers", "restore
 # like the default group they belong to: torch's tables hold them until destroy_process_group, and a gloo group that
 # outlives it is destroyed during the interpreter's exit, which can abort the process ("terminate called without an
 # active exception": 7 of 30 two-rank runs on 2 cores, none when nothing holds the group).
-_SESSION_GROUPS: dict[tuple[int, ...], weakref.ref[Any]] = {}
+_SESSION_GROUPS: dict[tuple[int, ...], Callable[[], Any]] = {}
+# What _SESSION_GROUPS gives for a copy this rank is not a member of.
+_NOT_A_MEMBER = object()
+
+
+def _not_a_member() -> Any:
+    return _NOT_A_MEMBER
+
 _SESSION_GROUPS_WORLD: list[Optional[weakref.ref[Any]]] = [None]
+# The session on each group copy, by the copy's id: one listener per copy, whatever the number of joinables. Held
+# weakly: the joinables hold them (making one is not collective, so ranks may differ in when one is collected).
+_SESSIONS: weakref.WeakValueDictionary[int, JoinSession] = weakref.WeakValueDictionary()
 # Each model's joinable, for as long as the model lives (nothing of it is in the model's state: copies and pickles of
 # the model do not carry it).
 _JOINABLES: weakref.WeakKeyDictionary[nn.Module, SyncBatchNormJoinable] = weakref.WeakKeyDictionary()
@@ -99,7 +110,7 @@ class SyncBatchNormJoinable(Joinable):
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("join_layers needs an initialized default process group (init_process_group)")
-        self._layers = [m for m in model.modules() if isinstance(m, SyncBatchNorm)]
+        self._layers = synchronized_layers(model)
         if not self._layers:
             raise ValueError("join_layers: the model holds no syncbn_dist.SyncBatchNorm layer (run convert_model)")
         self._process_group = dist.group.WORLD if join_process_group is None else join_process_group
@@ -109,18 +120,19 @@ class SyncBatchNormJoinable(Joinable):
         model.register_forward_pre_hook(_ForwardHeader(self))
 
     def _bind_layers(self) -> list[JoinSession]:
-        """One session per distinct group of the layers, on a copy of that group; give each layer its transport."""
+        """The session of each distinct group of the layers (shared with every other joinable on that group: one
+        copy of the group, one listener); give each layer its transport."""
         groups = {id(layer.process_group): layer.process_group for layer in self._layers}
         copies = _session_groups([dist.group.WORLD if g is None else g for g in groups.values()], self._device)
         sessions: dict[int, JoinSession] = {}
         for key, group in groups.items():
             ranks = tuple(dist.get_process_group_ranks(dist.group.WORLD if group is None else group))
             if dist.get_rank() in ranks:
-                sessions[key] = JoinSession(copies[ranks], self._device, self._on_forward_total)
-        for code, layer in enumerate(self._layers, start=1):
+                sessions[key] = _session(copies[ranks], self._device)
+        for layer in self._layers:
             session = sessions.get(id(layer.process_group))
             if session is not None:
-                layer._join_binding = JoinBinding(self, JoinTransport(session, code))
+                layer._join_binding = JoinBinding(self, JoinTransport(session, session.code_of(layer)))
         return list({id(s): s for s in sessions.values()}.values())
 
     @property
@@ -154,20 +166,32 @@ class SyncBatchNormJoinable(Joinable):
         for session in self._sessions:
             session.start_listener()
 
-    def _on_forward_total(self, code: int, total: Tensor) -> None:
-        """A joined rank's running statistics, updated from a forward's summed payload as the active ranks update
-        theirs (``SyncBatchNorm._sync_forward``, ``syncbn_dist.layer.statistics.update_running_stats``):
-        num_batches_tracked always, the buffers if the global count is at least 2."""
-        layer = self._layers[code - 1]
-        if not (layer.track_running_stats and layer.running_mean is not None):
-            return
-        with torch.no_grad():
-            layer.num_batches_tracked.add_(1)
-            mean, _, unbiased_var, count, _ = moments_of_total(total, layer.num_features)
-            if count.item() >= 2:
-                update_running_stats(
-                    layer.running_mean, layer.running_var, mean, unbiased_var, layer._momentum_factor(False)
-                )
+    def _update_running_stats(self) -> None:
+        """On a joined rank's main thread: the running statistics of the forwards its listeners answered."""
+        for session in self._sessions:
+            for layer, total in session.take_forward_totals():
+                _update_from_total(layer, total)
+
+
+def synchronized_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers of ``model`` that synchronize through syncbn_dist: its own, and ``torch.nn.SyncBatchNorm`` while
+    torch's class is patched (:func:`syncbn_dist.patch_torch_sync_batchnorm`)."""
+    patched = is_torch_sync_batchnorm_patched()
+    return [m for m in model.modules() if isinstance(m, SyncBatchNorm) or (patched and isinstance(m, nn.SyncBatchNorm))]
+
+
+def _update_from_total(layer: nn.Module, total: Tensor) -> None:
+    """A joined rank's running statistics, updated from a forward's summed payload as the active ranks update
+    theirs (``SyncBatchNorm._sync_forward``, ``syncbn_dist.layer.statistics.update_running_stats``):
+    num_batches_tracked always, the buffers if the global count is at least 2."""
+    if not (layer.track_running_stats and layer.running_mean is not None):
+        return
+    with torch.no_grad():
+        layer.num_batches_tracked.add_(1)
+        mean, _, unbiased_var, count, _ = moments_of_total(total, layer.num_features)
+        if count.item() >= 2:
+            momentum = 1.0 / float(layer.num_batches_tracked) if layer.momentum is None else layer.momentum
+            update_running_stats(layer.running_mean, layer.running_var, mean, unbiased_var, momentum)
 
 
 class _ForwardHeader:
@@ -194,12 +218,26 @@ class _LayersJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         self._joinable._start_listeners()  # already started by Join.__exit__ (see extend_torch_join)
+        # Once per active step, after the other joinables' hooks (DDP's buffer broadcast): the buffers of a joined rank
+        # are written by its main thread only.
+        self._joinable._update_running_stats()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         joinable = self._joinable
         joinable._join_config = _JoinConfig.construct_disabled_join_config()
         for session in joinable._sessions:
             session.finish()  # the listener's collectives time out as the group's do
+        joinable._update_running_stats()  # what the listeners answered since the last main hook
+
+
+def _session(group: Any, device: torch.device) -> JoinSession:
+    """The session on the group copy ``group``: one per copy, shared by every joinable of this process (found by the
+    copy's identity, held weakly: the joinables that use it keep it)."""
+    session = _SESSIONS.get(id(group))
+    if session is None or session.process_group is not group:
+        session = JoinSession(group, device)
+        _SESSIONS[id(group)] = session
+    return session
 
 
 def _layers_device(layers: list[SyncBatchNorm], group: Any) -> torch.device:
@@ -231,11 +269,16 @@ def _session_groups(groups: list[Any], device: torch.device) -> dict[tuple[int, 
     copies = {}
     for ranks in sorted(wanted):
         # Alive on every rank alike: torch holds the copy until destroy_process_group, which takes the world with it.
-        group = _SESSION_GROUPS[ranks]() if ranks in _SESSION_GROUPS else None
+        # A rank outside the copy gets no group (new_group returns NON_GROUP_MEMBER, an int) and needs none, but
+        # remembers that it was made (until the world changes), so that every rank decides alike to make it again.
+        reference = _SESSION_GROUPS.get(ranks)
+        group = None if reference is None else reference()
         if group is None:
             group = dist.new_group(list(ranks), timeout=wanted[ranks])
-            _SESSION_GROUPS[ranks] = weakref.ref(group)
-        copies[ranks] = group
+            member = isinstance(group, dist.ProcessGroup)
+            _SESSION_GROUPS[ranks] = weakref.ref(group) if member else _not_a_member
+        if group is not _NOT_A_MEMBER:
+            copies[ranks] = group
     return copies
 
 
@@ -274,10 +317,9 @@ def extend_torch_join() -> None:
     @functools.wraps(init)
     def __init__(self: Join, joinables: list[Joinable], *args: Any, **kwargs: Any) -> None:
         init(self, joinables, *args, **kwargs)
+        _join_layers_of_ddp(self, kwargs)
         if _ours(self):
             _let_another_notify(self)
-        else:
-            _join_layers_of_ddp(self, kwargs)
 
     @functools.wraps(exit_)
     def __exit__(self: Join, type: Any, value: Any, traceback: Any) -> Any:
@@ -325,11 +367,15 @@ def _let_another_notify(join: Join) -> None:
 
 
 def _join_layers_of_ddp(join: Join, kwargs: dict[str, Any]) -> None:
-    """``Join([ddp_model])`` alone: add the joinable of the DDP model's synchronized layers, last (collective on the
-    first ``Join`` of that model, on every rank alike, as every rank builds the same ``Join``)."""
+    """A DDP model in ``Join`` whose synchronized layers no listed joinable covers (``Join([ddp_model])``, or beside
+    another model's ``join_layers``): add its layers' joinable, last (collective on the first ``Join`` of that model,
+    on every rank alike, as every rank builds the same ``Join``)."""
+    covered = {id(layer) for joinable in _ours(join) for layer in joinable._layers}
     added = []
     for ddp in join._joinables:
-        if isinstance(ddp, DistributedDataParallel) and any(isinstance(m, SyncBatchNorm) for m in ddp.modules()):
+        if not isinstance(ddp, DistributedDataParallel):
+            continue
+        if any(id(layer) not in covered for layer in synchronized_layers(ddp)):
             joinable = join_layers(ddp, ddp.process_group)
             joinable._join_config = _JoinConfig(join._enable, join._throw_on_early_termination, False)
             added.append(joinable)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from collections.abc import Iterator
 from typing import Any, Optional, Sequence, Union
@@ -179,6 +180,30 @@ class SyncBatchNorm(_BatchNorm):
         super().__setstate__(state)
         torch_changes.apply_first_use_changes()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The pickled state (``torch.save`` of a model): a process group cannot be saved, so a loaded layer
+        synchronizes over the default group unless it is given one (``process_group`` None)."""
+        state = self.__dict__.copy()
+        state["process_group"] = None
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SyncBatchNorm:
+        """A deep copy (an EMA model, a teacher) that synchronizes over the same ``process_group`` object: a process
+        group is shared, never copied (everything else is copied as ``copy.deepcopy`` copies a module)."""
+        group = self.__dict__.get("process_group")
+        if group is not None:
+            memo[id(group)] = group
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return copied
+
+    def __copy__(self) -> SyncBatchNorm:
+        """A shallow copy, its process group included (pickling drops it: :meth:`__getstate__`)."""
+        copied = type(self).__new__(type(self))
+        copied.__setstate__(self.__dict__.copy())
+        return copied
+
     @property
     def last_transport(self) -> Optional[str]:
         """``"local"``, ``"distributed"`` or ``"dataparallel"``: what the last forward (of any replica) used.
@@ -315,12 +340,12 @@ class SyncBatchNorm(_BatchNorm):
                 raise error from mismatch
             raise error
         self._transport_record[0] = "local" if transport is None else transport.name
+        if transport is None and self.training and self._eps_mode() == "clip":
+            transport = _SOLO  # F.batch_norm knows only var + eps: the same math, with no communication
         if transport is None and not (self.training and self.track_running_stats and self.running_mean is not None):
             # No buffer update, so a checkpoint recomputation needs no special care; skipping the check keeps
             # eval mode free of graph breaks under torch.compile (dynamo cannot trace _is_recomputing).
             return super().forward(input)
-        if transport is None and self._eps_mode() == "clip":
-            transport = _SOLO  # F.batch_norm knows only var + eps: the same math, with no communication
         if not compiling and _is_recomputing():
             return self._recompute_forward(input, transport)
         if transport is None:
