@@ -277,17 +277,25 @@ class JoinBinding:
     collective over processes is announced like any other.
 
     Args:
-        owner: the joinable; its ``active`` says whether a ``Join`` context is open.
+        owner: the joinable; its ``active`` says whether a ``Join`` context is open. Held weakly (the joinable holds
+            its layers, and the model holds the joinable through its forward pre-hook): a cycle would keep the model,
+            and the process groups it reaches, alive until a gc pass, past ``destroy_process_group``.
         transport: the layer's :class:`JoinTransport`.
     """
 
     def __init__(self, owner: Any, transport: JoinTransport) -> None:
-        self.owner = owner
+        self._owner = weakref.ref(owner)
         self.transport = transport
 
     @property
+    def owner(self) -> Any:
+        """The joinable, or None once it is gone."""
+        return self._owner()
+
+    @property
     def active(self) -> bool:
-        return self.owner.active
+        owner = self._owner()
+        return owner is not None and owner.active
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         return None

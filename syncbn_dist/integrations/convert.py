@@ -157,6 +157,7 @@ def _swap(
                     visit(child, f"{name}.{child_name}" if name else child_name)
 
     visit(module, "")
+    del visit  # a nested recursive function is a reference cycle: it would keep what it saw until a gc pass
     if unknown:
         listing = "\n".join(unknown)
         if strict:
@@ -184,7 +185,12 @@ def _swap(
             swapped[id(node)] = build(node, name, kind, detail)
         return swapped[id(node)]
 
-    return swap(module, "")
+    try:
+        return swap(module, "")
+    finally:
+        # (as visit: the cycle would hold every module of the model, and through them a process group, which a gloo
+        # group's worker threads outlive into the interpreter's exit: docs/troubleshooting.md)
+        del swap
 
 
 def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, strict: bool = True) -> nn.Module:
