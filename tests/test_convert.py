@@ -8,7 +8,9 @@ DistributedDataParallel check, which needs a real one-rank gloo group from ``lau
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -525,3 +527,19 @@ def test_revert_refuses_synchronized_subclasses_it_cannot_undo() -> None:
         revert_model(model, strict=False)
     assert type(model[0]) is nn.BatchNorm2d and type(model[1]) is Halved
     assert convert_model(model)[1] is model[1]  # already synchronized: kept as it is
+
+
+def test_convert_model_leaves_no_reference_cycle() -> None:
+    """A converted model is freed as soon as it is dropped, without a gc pass: a cycle (a nested recursive walk) would
+    keep it, and the process group its layers reach, alive past destroy_process_group, into the interpreter's exit,
+    where a gloo group can abort the process (docs/troubleshooting.md)."""
+    gc.collect()
+    gc.disable()
+    try:
+        model = convert_model(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm2d(4))))
+        layer = weakref.ref(model[1])
+        reverted = weakref.ref(revert_model(convert_model(nn.BatchNorm1d(3))))
+        del model
+        assert layer() is None and reverted() is None
+    finally:
+        gc.enable()

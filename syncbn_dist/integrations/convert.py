@@ -142,22 +142,7 @@ def _swap(
     holding the same layer), and a layer registered in several places becomes one new layer, shared the same way.
     """
     unknown: list[str] = []
-    visited: set[int] = set()
-
-    def visit(node: nn.Module, name: str) -> None:
-        if id(node) in visited:
-            return
-        visited.add(id(node))
-        kind, detail = classify(node)
-        if kind == "unknown":
-            unknown.append(f"  '{name or '<root>'}' ({class_path(type(node))}): {detail}")
-        elif kind == "other":
-            for child_name, child in node._modules.items():
-                if child is not None:
-                    visit(child, f"{name}.{child_name}" if name else child_name)
-
-    visit(module, "")
-    del visit  # a nested recursive function is a reference cycle: it would keep what it saw until a gc pass
+    _visit(module, "", classify, set(), unknown)
     if unknown:
         listing = "\n".join(unknown)
         if strict:
@@ -167,30 +152,51 @@ def _swap(
                 f"{listing}\n{how_out}"
             )
         warnings.warn(f"{verb}(strict=False) leaves {len(unknown)} layer(s) as they are:\n{listing}", stacklevel=3)
+    return _swapped(module, "", classify, build, {})
 
-    swapped: dict[int, nn.Module] = {}
 
-    def swap(node: nn.Module, name: str) -> nn.Module:
-        if id(node) in swapped:
-            return swapped[id(node)]
-        kind, detail = classify(node)
-        swapped[id(node)] = node  # a module that contains itself is walked once
-        if kind == "other":
-            for child_name, child in list(node._modules.items()):
-                if child is not None:
-                    new_child = swap(child, f"{name}.{child_name}" if name else child_name)
-                    if new_child is not child:
-                        node._modules[child_name] = new_child
-        elif kind != "unknown":
-            swapped[id(node)] = build(node, name, kind, detail)
+# The walks are module-level functions: a nested recursive function is a reference cycle, which would keep every module
+# it saw, and through them a process group, until a gc pass (past destroy_process_group: docs/troubleshooting.md).
+
+
+def _visit(
+    node: nn.Module, name: str, classify: Callable[[nn.Module], tuple[str, Any]], visited: set[int], unknown: list[str]
+) -> None:
+    """Classify ``node`` and its descendants, each once, listing the layers that cannot be swapped in ``unknown``."""
+    if id(node) in visited:
+        return
+    visited.add(id(node))
+    kind, detail = classify(node)
+    if kind == "unknown":
+        unknown.append(f"  '{name or '<root>'}' ({class_path(type(node))}): {detail}")
+    elif kind == "other":
+        for child_name, child in node._modules.items():
+            if child is not None:
+                _visit(child, f"{name}.{child_name}" if name else child_name, classify, visited, unknown)
+
+
+def _swapped(
+    node: nn.Module,
+    name: str,
+    classify: Callable[[nn.Module], tuple[str, Any]],
+    build: Callable[..., Optional[nn.Module]],
+    swapped: dict[int, nn.Module],
+) -> nn.Module:
+    """``node`` swapped (and its descendants, in place), each module once: ``swapped`` maps a visited module's id to
+    what replaces it."""
+    if id(node) in swapped:
         return swapped[id(node)]
-
-    try:
-        return swap(module, "")
-    finally:
-        # (as visit: the cycle would hold every module of the model, and through them a process group, which a gloo
-        # group's worker threads outlive into the interpreter's exit: docs/troubleshooting.md)
-        del swap
+    kind, detail = classify(node)
+    swapped[id(node)] = node  # a module that contains itself is walked once
+    if kind == "other":
+        for child_name, child in list(node._modules.items()):
+            if child is not None:
+                new_child = _swapped(child, f"{name}.{child_name}" if name else child_name, classify, build, swapped)
+                if new_child is not child:
+                    node._modules[child_name] = new_child
+    elif kind != "unknown":
+        swapped[id(node)] = build(node, name, kind, detail)
+    return swapped[id(node)]
 
 
 def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, strict: bool = True) -> nn.Module:
