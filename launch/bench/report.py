@@ -16,6 +16,12 @@ STEP_DTYPE_ORDER = ("bfloat16", "float32")
 TORCH_FUNCTION = "torch SyncBatchNorm fn"
 
 
+def _ratio_with_paired_ci(ratio: Optional[float], paired: Optional[dict[str, float]]) -> str:
+    if ratio is None or paired is None:
+        return "–"
+    return f"{ratio:.3f} [{paired['median']:+.3f}, {paired['ci95_low']:+.3f} to {paired['ci95_high']:+.3f}]"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
@@ -277,7 +283,10 @@ def _step_sections(summary: dict[str, Any]) -> list[str]:
         "Median ms per DDP training step over interleaved rounds (slowest rank). (a) plain BatchNorm, (b) "
         "syncbn_dist, (f) plain BatchNorm plus the same two collectives per layer (dummy payloads, through "
         "autograd): the in-step floor, (c) naive SyncBN. P1 = ((b)-(a)) / ((f)-(a)). Back-to-back floor: Σ over "
-        "(b)'s collectives of the median latency of back-to-back all_reduces of that payload, same group, same run.",
+        "(b)'s collectives of the median latency of back-to-back all_reduces of that payload, same group, same run. "
+        "(b)/(f): syncbn_dist's step over the floor's, which sends the same collectives (tags included), with the "
+        "median of the rounds' paired differences (b)-(f) and its 95% bootstrap interval: what syncbn_dist adds beyond "
+        "its collectives (the statistics, the tags' checks).",
         "",
     ]
     rows = []
@@ -294,6 +303,9 @@ def _step_sections(summary: dict[str, Any]) -> list[str]:
                     fmt(b2b),
                     fmt(run.get("overhead_over_floor"), ".2f"),
                     fmt(None if b is None or c is None else b / c, ".2f"),
+                    _ratio_with_paired_ci(
+                        run.get("over_same_collectives"), run.get("minus_same_collectives_paired_ms")
+                    ),
                 ]
             )
     out += _table(
@@ -311,6 +323,7 @@ def _step_sections(summary: dict[str, Any]) -> list[str]:
             "b2b floor",
             "(b)-(a) / b2b",
             "(b)/(c)",
+            "(b)/(f) [paired (b)-(f) ms, 95% CI]",
         ],
         rows,
     )

@@ -186,6 +186,11 @@ def _summarize_run(run: dict[str, Any], scenario: dict[str, Any]) -> dict[str, A
         result["overhead_over_in_step_floor"] = (
             result["overhead_ms"] / result["in_step_floor_ms"] if result["in_step_floor_ms"] > 0 else None
         )
+        # The step against plain BatchNorm plus the same collectives: what syncbn_dist adds beyond its collectives
+        # (the statistics, the collective tags and their checks), paired by round.
+        result["over_same_collectives"] = medians["syncbn_dist"] / medians["floor"]
+        paired = _paired_difference(run["step_seconds"]["floor"], run["step_seconds"]["syncbn_dist"])
+        result["minus_same_collectives_paired_ms"] = {key: 1e3 * value for key, value in paired.items()}
     if {"syncbn_dist", "syncbn_dist_debug"} <= set(medians):
         # What checking every collective (debug mode) costs a step: the price of catching any later mismatch.
         result["debug_over_default"] = medians["syncbn_dist_debug"] / medians["syncbn_dist"]
