@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from closeness import assert_close
+from moments import combine_moments, local_moments
 from step_record import step_record
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,7 +40,6 @@ from launch.common.counting import CollectiveCounter
 from launch.common.spawn import run_distributed
 from syncbn_dist import DataParallelWithCallback, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
 from syncbn_dist.comm import DistributedTransport
-from syncbn_dist.layer.functions import combine_moments, local_moments
 
 C = 3  # channels of every synchronized layer here
 SEED = 1234
@@ -933,13 +933,13 @@ def test_distributed_features(kernel_mode: str) -> None:
     results = run_distributed(_worker, 2, timeout=240)
     for precision in PRECISIONS:
         _check_mixed_precision(precision, [r["mixed"][precision] for r in results], "distributed")
-        # Every rank, the empty one included, sends the same payloads: float64 [count, sum(C), sumsq(C)]
-        # forward, float64 [sum(dy), sum(dy * x_hat)] backward, one all_reduce each per step, on either kernel set
-        # (the compiled regions' functional all_reduce is counted too). Ranks sending different collectives would
-        # hang or leave wrong statistics.
+        # Every rank, the empty one included, sends the same payloads: float64 [sum(C), sumsq(C), count] forward,
+        # float64 [sum(dy), sum(dy * x_hat), 0] backward, each with its collective tag (5 values), one all_reduce each
+        # per step, on either kernel set (the compiled regions' functional all_reduce is counted too). Ranks sending
+        # different collectives would hang or leave wrong statistics.
         payloads = [r["payloads"][precision] for r in results]
         assert payloads[0] == payloads[1], f"{precision}: payloads differ across ranks: {payloads}"
-        expected = [("float64", 1 + 2 * C), ("float64", 2 * C)] * len(DIST_SPLITS)
+        expected = [("float64", 2 * C + 6), ("float64", 2 * C + 6)] * len(DIST_SPLITS)
         assert payloads[0] == expected, payloads
     for ndim in MEMORY_FORMAT_CASES:
         _check_memory_format(ndim, [r["memory_format"][ndim] for r in results], "distributed")

@@ -387,13 +387,6 @@ def install_placeholder_cuda_guard() -> None:
     installed.wait()
 
 
-def _cpu_autocast_state() -> tuple[bool, torch.dtype]:
-    try:
-        return torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
-    except TypeError:  # torch < 2.4
-        return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
-
-
 def run_replicas_in_threads(
     replicas: Sequence[Callable[..., Any]],
     inputs: Sequence[tuple[Any, ...]],
@@ -411,7 +404,7 @@ def run_replicas_in_threads(
     """
     install_placeholder_cuda_guard()
     grad_enabled = torch.is_grad_enabled()
-    autocast_enabled, autocast_dtype = _cpu_autocast_state()
+    autocast_enabled, autocast_dtype = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
     outputs: list[Any] = [None] * len(replicas)
     errors: list[tuple[int, BaseException]] = []
     lock = threading.Lock()

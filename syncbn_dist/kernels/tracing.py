@@ -8,7 +8,7 @@ the layer's own code: False in a thread that runs a replica's eager forward (:fu
 code ``torch.compile`` never traces, and the flag elsewhere.
 
 The other transforms that change how the layer must run are asked about here too: a forward-mode AD level or a
-``torch.func`` transform (:func:`_forward_ad_active`) and functorch-wrapped tensors (:func:`_functorch_wrapped`).
+``torch.func`` transform (:func:`_forward_ad_active`) and functorch-wrapped tensors (``_is_functorch_wrapped``).
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import torch
-from torch import Tensor
 from torch.autograd import forward_ad
 
 __all__ = ["eager_replica_thread", "is_compiling"]
@@ -67,6 +65,3 @@ def _forward_ad_level_active() -> bool:
 
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
-
-def _functorch_wrapped(arg: Any) -> bool:
-    return isinstance(arg, Tensor) and _is_functorch_wrapped(arg)

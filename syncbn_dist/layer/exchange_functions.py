@@ -31,25 +31,9 @@ from ..kernels.native import (
     _scaled_grad_and_reductions,
 )
 from ..kernels.statistics import COMBINE_DTYPE, invstd_and_scale, moments_of_total
-from ..kernels.tracing import _functorch_wrapped, is_compiling
 from .statistics import _checked_count, _global_statistics_as
 
 __all__: list[str] = []
-
-
-def _apply(function: type[Function], *args: Any) -> Any:
-    """``function.apply(*args)``, every argument given, without torch's per-call wrapper work where it has none to do.
-
-    For a Function with ``setup_context``, ``torch.autograd.Function.apply`` binds the arguments to ``forward``'s
-    signature with :mod:`inspect` on every call (to fill in defaults) and walks them with pytree for dead functorch
-    wrappers before it calls the C++ ``apply``: measured 25-30 µs a call, a tenth of a small layer's forward and
-    backward. In eager mode outside ``torch.func`` transforms, with every argument given and no functorch-wrapped
-    tensor among them, neither step changes anything, so the C++ ``apply`` is called directly; everywhere else
-    (``torch.compile``, whose tracer handles ``apply`` itself; ``torch.func``) ``function.apply`` runs.
-    """
-    if is_compiling() or torch._C._are_functorch_transforms_active() or any(map(_functorch_wrapped, args)):
-        return function.apply(*args)
-    return super(Function, function).apply(*args)  # the C++ torch._C._FunctionBase.apply
 
 
 class _BackwardLink:
@@ -263,7 +247,7 @@ def _sync_batch_norm_differentiable(
     kernel choice (:func:`~syncbn_dist.kernels.compiled.takes_compiled_kernels`), made once for its four passes;
     ``tags``: the forward's and backward's :class:`~syncbn_dist.comm.tags.CollectiveTag`, verified on every total."""
     link = _BackwardLink(compiled, tags, transport)
-    payload, alias = _apply(_LocalPayload, input, link)
+    payload, alias = _LocalPayload.apply(input, link)
     (total,) = transport.all_reduce([payload], tags=(*tags, False))
     with torch.no_grad():
         tags[0].verify(total, transport)
@@ -272,5 +256,5 @@ def _sync_batch_norm_differentiable(
         clipped = None if eps_mode == "plus" else var < eps
         var = _normalizing_var(var, eps, eps_mode)
         link.mean, link.var, link.eps = mean, var, eps
-    output = _apply(_Normalize, alias, weight, bias, total, mean, var, eps, clipped, link)
+    output = _Normalize.apply(alias, weight, bias, total, mean, var, eps, clipped, link)
     return output, mean, unbiased_var

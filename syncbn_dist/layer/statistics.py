@@ -13,26 +13,10 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from ..kernels.native import local_payload
 from ..kernels.statistics import moments_of_total
 from ..kernels.tracing import is_compiling
 
-__all__ = ["combine_moments", "global_statistics", "local_moments", "update_running_stats"]
-
-
-def global_statistics(total: Tensor) -> tuple[Tensor, Tensor]:
-    """Global mean, biased and unbiased variance per channel from a summed payload (Chan et al. 1979, as sums).
-
-    Args:
-        total: (2C + 1,) float64, the local payloads summed over every member.
-
-    Returns:
-        ``stats``, a (3, C) float64 tensor with rows ``[mean, var, unbiased var]``, and ``count``, the (1,) global
-        count (a view of ``total``). The statistics are only meaningful for a global count of at least 2 (the
-        callers check it); a zero count gives NaNs.
-    """
-    mean, var, unbiased_var, count, _ = moments_of_total(total)
-    return torch.stack([mean, var, unbiased_var]), count
+__all__ = ["update_running_stats"]
 
 
 def _global_statistics_as(
@@ -47,37 +31,6 @@ def _global_statistics_as(
     if dtype != total.dtype:
         mean, var, unbiased_var = torch.stack([mean, var, unbiased_var]).to(dtype).unbind()
     return mean, var, unbiased_var, count
-
-
-def local_moments(input: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-channel count, sum and sum of squares of one shard of the batch, in float64.
-
-    Args:
-        input: (N, C, *) floating tensor, any memory format; N may be 0.
-
-    Returns:
-        ``count`` of shape (1,) and ``moments`` of shape (2C,) = [sum(C), sumsq(C)], both float64 on the
-        input's device. An empty input gives zeros of the same shapes and dtype.
-    """
-    payload = local_payload(input)
-    return payload[-1:], payload[:-1]
-
-
-def combine_moments(count: Tensor, moments: Tensor) -> tuple[Tensor, Tensor]:
-    """Global mean and biased variance from summed counts and moments.
-
-    The sums were formed from exact per-shard means and variances and are combined in float64: the
-    parallel-variance combination of Chan, Golub & LeVeque (1979) expressed as sums.
-
-    Args:
-        count: (1,) float64, the total number of values per channel (may be 0).
-        moments: (2C,) float64, [sum(C), sumsq(C)] summed over every shard.
-
-    Returns:
-        ``mean`` and ``var`` of shape (C,), float64. With a zero count both are zeros.
-    """
-    stats, _ = global_statistics(torch.cat([moments, count.clamp(min=1.0)]))
-    return stats[0], stats[1].clamp(min=0.0)
 
 
 def _checked_count(count: Tensor, input: Tensor) -> None:
