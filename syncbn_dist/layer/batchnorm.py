@@ -247,7 +247,11 @@ class SyncBatchNorm(_BatchNorm):
         # This replica's payloads and totals, replayed if activation checkpointing recomputes a forward (replay.py).
         self._replay_records: list[Any] = []
 
-    def _select_transport(self, input: Tensor, compiling: bool) -> Optional[Transport]:
+    def _select_transport(self, input: Tensor, compiling: bool, recomputing: bool = False) -> Optional[Transport]:
+        """What this training call sums over, built once, innermost first: the process group (the cached transport of
+        ``process_group``, or the Join session's while a ``Join`` is open), the first-step gather check while due,
+        the DataParallel exchange of this layer's replicas, and a replica's record of it (or, in a checkpoint
+        recomputation, its replay). None: local (eval, or nothing to synchronize with)."""
         if not self.training:
             return None
         # Dynamo traces torch.distributed's own queries (constants in the graph), not a cache of their answers.
@@ -265,9 +269,18 @@ class SyncBatchNorm(_BatchNorm):
         elif inner is None and not compiling and process_group_missing():
             _warn_missing_process_group(self._describe())
         exchange = self._replica_exchange
-        if exchange is not None and (isinstance(exchange, SlavePipe) or exchange.nr_slaves > 0):
-            return DataParallelTransport(exchange, inner)
-        return inner
+        if exchange is None:
+            return inner
+        if isinstance(exchange, SlavePipe) or exchange.nr_slaves > 0:
+            inner = DataParallelTransport(exchange, inner)
+        if inner is None:
+            return None
+        # A replica's collective, even alone in its process, takes the exchange's autograd shape, as its peer
+        # processes' replicas do; its backward runs in one thread with theirs, so a checkpoint recomputation replays
+        # what the forward exchanged (replay.py).
+        if recomputing:
+            return ReplayTransport(inner.name, self._replay_records, self._describe_replica())
+        return RecordingTransport(inner, self._replay_records)
 
     def _checked(self, transport: Any, dtype: torch.dtype) -> Any:
         """``transport``, in a CheckedTransport while its group's collectives are gathered and checked before they run
@@ -330,8 +343,12 @@ class SyncBatchNorm(_BatchNorm):
             raise
 
     def _forward(self, input: Tensor) -> Tensor:
+        """What this call is, decided once: its transport (``_select_transport``), then one call, into the layer's
+        Function or, with nothing to synchronize with, into ``F.batch_norm``."""
         compiling = is_compiling()
-        transport = self._select_transport(input, compiling)
+        # A forward re-run by activation checkpointing inside backward (dynamo cannot trace the query: never then).
+        recomputing = not compiling and _is_recomputing()
+        transport = self._select_transport(input, compiling, recomputing)
         error = self._input_error(input)
         if error is not None:
             try:
@@ -342,17 +359,21 @@ class SyncBatchNorm(_BatchNorm):
         self._transport_record[0] = "local" if transport is None else transport.name
         if transport is None and self.training and self._eps_mode() == "clip":
             transport = _SOLO  # F.batch_norm knows only var + eps: the same math, with no communication
-        if transport is None and not (self.training and self.track_running_stats and self.running_mean is not None):
-            # No buffer update, so a checkpoint recomputation needs no special care; skipping the check keeps
-            # eval mode free of graph breaks under torch.compile (dynamo cannot trace _is_recomputing).
-            return super().forward(input)
-        if not compiling and _is_recomputing():
-            return self._recompute_forward(input, transport)
         if transport is None:
-            return super().forward(input)
-        if self._replica_exchange is not None or settings._DEBUG or isinstance(transport, JoinTransport):
+            return self._local_forward(input, recomputing)
+        eager_only = self._replica_exchange is not None or settings._DEBUG or isinstance(transport, JoinTransport)
+        if compiling and eager_only:
             return self._eager_sync_forward(input, transport)
-        return self._sync_forward(input, transport, compiling)
+        return self._sync_forward(input, transport, compiling, recomputing)
+
+    def _local_forward(self, input: Tensor, recomputing: bool) -> Tensor:
+        """``nn.BatchNorm``'s forward, except in a checkpoint recomputation of a call that updated the running
+        statistics, which must not update them again (plain nn.BatchNorm would): the same normalization on throw-away
+        copies of the buffers, saving the tensors the original forward saved (checkpointing compares them)."""
+        if not (recomputing and self.training and self.track_running_stats and self.running_mean is not None):
+            return super().forward(input)
+        running_mean, running_var = self.running_mean.clone(), self.running_var.clone()
+        return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, True, 0.0, self.eps)
 
     def _share_input_error(
         self, transport: Optional[Transport], input: Tensor, error: Exception, compiling: bool
@@ -367,17 +388,19 @@ class SyncBatchNorm(_BatchNorm):
     def _eps_mode(self) -> str:
         return settings._EPS_MODE if self.eps_mode is None else settings._resolve_eps_mode(self.eps_mode)
 
-    def _sync_forward(self, input: Tensor, transport: Transport, compiling: bool) -> Tensor:
+    def _sync_forward(self, input: Tensor, transport: Transport, compiling: bool, recomputing: bool = False) -> Tensor:
         """The synchronized training forward; ``torch.compile`` traces it whole on the distributed transport.
 
         Under compilation the agreement check runs while the graph is traced (every member traces its first
-        compilation at the same layer, so all of them take part); see :mod:`syncbn_dist.comm.agreement`.
+        compilation at the same layer, so all of them take part); see :mod:`syncbn_dist.comm.agreement`. A checkpoint
+        recomputation (``recomputing``) normalizes with the original forward's statistics and leaves the running
+        statistics alone: over a process group the same collective runs again on every member, replicas replay it.
         """
         weight, bias = self.weight, self.bias
         tags = self._tags_of_call(input, weight, bias, transport, compiling)
         # DataParallel slaves leave the buffers to the master, whose buffers are the original module's.
         owns_buffers = not isinstance(self._replica_exchange, SlavePipe)
-        track = self.track_running_stats and self.running_mean is not None and owns_buffers
+        track = self.track_running_stats and self.running_mean is not None and owns_buffers and not recomputing
         momentum = 0.0
         if track:
             self.num_batches_tracked.add_(1)
@@ -386,8 +409,6 @@ class SyncBatchNorm(_BatchNorm):
         if owns_buffers and binding is not None and binding.active and transport is not _SOLO:
             # Set at every call: the joined ranks update their buffers from this call's total only if this one does.
             binding.transport.expect_tracked_forward(track)
-        if self._replica_exchange is not None:
-            transport = RecordingTransport(transport, self._replay_records)
         return _sync_batch_norm(
             input,
             weight,
@@ -451,35 +472,9 @@ class SyncBatchNorm(_BatchNorm):
 
     @torch.compiler.disable
     def _eager_sync_forward(self, input: Tensor, transport: Transport) -> Tensor:
-        # DataParallel replicas (threads exchanging Python objects) and debug mode (a record gathered and compared
-        # before every collective) run eagerly: under torch.compile each such layer is one graph break.
+        # Under torch.compile, DataParallel replicas (threads exchanging Python objects), debug mode (a record gathered
+        # and compared before every collective) and Join (its controls) run eagerly: one graph break per layer.
         return self._sync_forward(input, transport, False)
-
-    @torch.compiler.disable
-    def _recompute_forward(self, input: Tensor, transport: Optional[Transport]) -> Tensor:
-        """The forward re-run by activation checkpointing inside backward.
-
-        It normalizes with the statistics of the original forward and leaves running_mean, running_var and
-        num_batches_tracked alone (plain nn.BatchNorm updates them a second time here). On the local path
-        the batch statistics are recomputed from the identical input; over a process group the same
-        collective runs again on every member (all of them recompute in the same order); DataParallel
-        replicas, whose backward runs in one thread where no exchange is possible, replay the totals
-        recorded in the original forward.
-        """
-        if transport is None:  # plain nn.BatchNorm ("plus" mode, no peers)
-            if not (self.training and self.track_running_stats and self.running_mean is not None):
-                return super().forward(input)  # no buffer update happens on this path anyway
-            # Throw-away copies keep the buffers untouched while saving the same tensors for backward as
-            # the original forward did (checkpointing compares the two).
-            return F.batch_norm(
-                input, self.running_mean.clone(), self.running_var.clone(), self.weight, self.bias, True, 0.0, self.eps
-            )
-        if self._replica_exchange is not None:
-            transport = ReplayTransport(transport.name, self._replay_records, self._describe_replica())
-        weight, bias = self.weight, self.bias
-        tags = self._tags_of_call(input, weight, bias, transport, False)
-        eps_mode = self._eps_mode()
-        return _sync_batch_norm(input, weight, bias, None, None, 0.0, self.eps, transport, eps_mode, False, tags)
 
     def _describe(self) -> str:
         name = self.__dict__.get("_qualified_name") or "<unnamed>"
