@@ -9,6 +9,8 @@ deliberate exception, so that a new one is a decision.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,7 +117,7 @@ def test_no_import_circles(package: str) -> None:
 
 
 # The order of the parts of syncbn_dist: a module imports (at module level) only from its own part and those before it.
-LAYERS = ("settings", "torch_changes", "comm", "kernels", "layer", "integrations")
+LAYERS = ("settings", "torch_changes", "compiler_marks", "comm", "kernels", "layer", "integrations")
 # Imports inside a function that go up the order, each deliberate: the classmethod alias of convert_model.
 DEFERRED_UPWARD = {("syncbn_dist.layer.batchnorm", "syncbn_dist.integrations.convert")}
 
@@ -148,3 +150,51 @@ def test_the_library_never_imports_the_recipes() -> None:
 def test_the_checks_find_a_circle() -> None:
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+# Run in a fresh interpreter: what `import syncbn_dist` loads, then what the compiler's marks are once Dynamo loads.
+_MARKS = """
+import sys
+import torch
+if {dynamo_first}:
+    import torch._dynamo
+import syncbn_dist
+from syncbn_dist.comm import agreement
+from syncbn_dist.kernels import tracing
+from syncbn_dist.kernels.compiled_kernel import _CompiledKernel
+from syncbn_dist.layer.batchnorm import SyncBatchNorm
+
+def marks():
+    return [
+        hasattr(SyncBatchNorm._replica_forward, "_torchdynamo_disable"),
+        hasattr(SyncBatchNorm._eager_sync_forward, "_torchdynamo_disable"),
+        hasattr(_CompiledKernel.__call__, "_torchdynamo_disable"),
+        getattr(tracing._in_eager_replica, "_dynamo_marked_constant", False),
+        getattr(agreement._verify_once, "_dynamo_marked_constant", False),
+    ]
+
+loaded = sorted({{name for name in sys.modules if name.startswith(("torch._dynamo", "torch._inductor"))}})
+before = marks()
+torch.compile(torch.nn.Linear(2, 2), backend="eager")(torch.ones(1, 2))
+print(repr((loaded[:3], "torch.distributed.nn" in sys.modules, before, marks())))
+"""
+
+
+def _marks(dynamo_first: bool) -> tuple[list[str], bool, list[bool], list[bool]]:
+    code = _MARKS.format(dynamo_first=dynamo_first)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    return ast.literal_eval(result.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_library_loads_no_compiler_and_compiling_marks_it() -> None:
+    loaded, distributed_nn, before, after = _marks(dynamo_first=False)
+    assert loaded == []  # import torch._dynamo alone costs more than import torch
+    assert distributed_nn  # before init_process_group: its group=group.WORLD defaults hold nothing
+    assert before == [False] * 5
+    assert after == [True] * 5
+
+
+def test_marks_made_at_import_when_dynamo_is_loaded_first() -> None:
+    loaded, _, before, after = _marks(dynamo_first=True)
+    assert loaded and before == [True] * 5 and after == [True] * 5

@@ -41,6 +41,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import gc
+import importlib
 import os
 import pickle
 import resource
@@ -172,7 +173,7 @@ class _RankState:
         self.deterministic = _deterministic()
         self.anomaly = _anomaly()
         self.matmul_precision = torch.get_float32_matmul_precision()
-        self.configs = {name: sys.modules[name].get_config_copy() for name in _CONFIGS}
+        self.configs = {name: importlib.import_module(name).get_config_copy() for name in _CONFIGS}
         hooks = torch.nn.modules.module
         self.module_hooks = _Namespace(hooks, [name for name in vars(hooks) if name.startswith("_global_")])
         self.signals = {signum: signal.getsignal(signum) for signum in _SIGNALS}

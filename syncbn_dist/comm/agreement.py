@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import settings
+from ..compiler_marks import when_dynamo_loads
 from .distributed import _AllReduceCoalesced, all_gather_bytes, resolve_group
 from .tags import BACKWARD, LayerMismatchError, describe_disagreement, layer_tags, traced_constants
 
@@ -257,17 +258,21 @@ def verify_while_tracing(group_name: str, identity: str, forward: str, key: str,
     return _verify_once(group_name, identity, forward, key, description)
 
 
-@torch._dynamo.assume_constant_result
 def _verify_once(group_name: str, identity: str, forward: str, key: str, description: str) -> Any:
     # assume_constant_result: dynamo calls this while tracing, with the real arguments, and keeps only the result (the
     # tags' numbers and values); the windows and tags are plain Python state, which the traced code never sees.
     forward_tag, backward_tag = layer_tags(identity, description, forward)
     group = resolve_group(group_name)
     window = _window(group)
-    compile_id = torch._guards.CompileContext.current_compile_id()
+    from torch._guards import CompileContext  # (Dynamo is tracing: loaded)
+
+    compile_id = CompileContext.current_compile_id()
     first_compilation = compile_id is None or compile_id.frame_compile_id == 0
     if first_compilation and (forward_tag.identity, forward_tag.direction) not in window.seen:
         verify(group, forward_tag, key, description, traced=True)
         window.seen.update({(t.identity, t.direction) for t in (forward_tag, backward_tag)})
     window.state = "closed"  # this rank compiles: its eager calls, if it falls back to eager, gather nothing
     return (*traced_constants(forward_tag), *traced_constants(backward_tag))
+
+
+when_dynamo_loads(lambda: torch.compiler.assume_constant_result(_verify_once))

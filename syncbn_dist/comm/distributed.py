@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before init_process_group: troubleshooting.md, "SIGABRT or a hang at exit"
 from torch import Tensor
 from torch.autograd import Function
 

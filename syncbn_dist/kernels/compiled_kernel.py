@@ -14,11 +14,10 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
-from torch._dynamo import config as dynamo_config
-from torch.fx.experimental import _config as fx_config
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import torch_changes
+from ..compiler_marks import never_traced
 from ..comm.replica import install_placeholder_cuda_guard
 from .direct_call import DirectCall, GraphCallRecorder, recording_backend
 
@@ -63,11 +62,10 @@ class _CompiledKernel:
         self.compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self.direct: dict[tuple[Any, ...], Optional[DirectCall]] = {}
 
-    # Never traced: a user's torch.compile traces the native ops instead (is_compiling), but where it runs the layer
+    # Never traced (marked below): a user's torch.compile traces the native ops instead (is_compiling), but where it runs the layer
     # eagerly while Dynamo still intercepts new frames (a frame it skips, e.g. past its recompile limit), Dynamo would
     # otherwise trace into inductor's generated code of a direct call, whose in-place functional all_reduce it cannot
     # compile.
-    @torch.compiler.disable
     def __call__(self, x: Tensor, *args: Any) -> Any:
         # Sizes of 0 and 1 are specialized by Dynamo even with dynamic shapes: N, C and L of one are signatures.
         sizes_of_one = (x.size(0) == 1, x.size(1) == 1, x.size(2) == 1)
@@ -83,6 +81,9 @@ class _CompiledKernel:
             return _outside_ddp_forward(compiled, x, *args)
         # No duck sizing: sizes that happen to be equal at the first call (N == C) would otherwise share a symbol,
         # and every later call where they differ would recompile, until Dynamo's recompile limit fails the call.
+        from torch._dynamo import config as dynamo_config  # (loaded on first use: syncbn_dist.compiler_marks)
+        from torch.fx.experimental import _config as fx_config
+
         install_placeholder_cuda_guard()
         with _FIRST_CALL_LOCK, fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):
             compiled = self.compiled.get(signature)
@@ -104,3 +105,6 @@ class _CompiledKernel:
     def graphs(self) -> int:
         """How many signatures this kernel compiled in this process."""
         return len(self.compiled)
+
+
+never_traced(_CompiledKernel, "__call__")

@@ -8,7 +8,8 @@ the layer's own code: False in a thread that runs a replica's eager forward (:fu
 code ``torch.compile`` never traces, and the flag elsewhere.
 
 The other transforms that change how the layer must run are asked about here too: a forward-mode AD level or a
-``torch.func`` transform (:func:`_forward_ad_active`) and functorch-wrapped tensors (``_is_functorch_wrapped``).
+``torch.func`` transform (:func:`_forward_ad_active`), functorch-wrapped tensors (``_is_functorch_wrapped``) and a
+checkpoint recomputation (:func:`is_recomputing`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,16 @@ from collections.abc import Iterator
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["eager_replica_thread", "is_compiling"]
+from ..compiler_marks import when_dynamo_loads
+
+__all__ = ["eager_replica_thread", "is_compiling", "is_recomputing"]
 
 _thread = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while autograd runs a backward pass, where a module forward is a checkpoint recomputation."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def is_compiling() -> bool:
@@ -37,9 +45,11 @@ def is_compiling() -> bool:
     return torch.compiler.is_compiling() and not _in_eager_replica()
 
 
-@torch.compiler.assume_constant_result
 def _in_eager_replica() -> bool:
     return getattr(_thread, "eager_replica", False)
+
+
+when_dynamo_loads(lambda: torch.compiler.assume_constant_result(_in_eager_replica))
 
 
 @contextlib.contextmanager

@@ -26,7 +26,8 @@ from ..comm.agreement import CheckedTransport, LayerAgreement, agreement_of, che
 from ..comm.distributed import cached_distributed_transport, process_group_missing
 from ..comm.join_session import JoinBinding, JoinTransport
 from ..comm.tags import FORWARD, FORWARD_WITHOUT_BACKWARD, NO_TAG, CollectiveTag, layer_tags, traced_tags
-from ..kernels.tracing import eager_replica_thread, is_compiling
+from ..compiler_marks import never_traced
+from ..kernels.tracing import eager_replica_thread, is_compiling, is_recomputing
 from .functions import Transport, _sync_batch_norm
 from .replay import RecordingTransport, ReplayTransport
 
@@ -325,7 +326,6 @@ class SyncBatchNorm(_BatchNorm):
             return self._replica_forward(input)
         return self._forward(input)
 
-    @torch.compiler.disable
     def _replica_forward(self, input: Tensor) -> Tensor:
         """The forward of a DataParallel replica (always eager): reports its own failure to its exchange.
 
@@ -347,7 +347,7 @@ class SyncBatchNorm(_BatchNorm):
         Function or, with nothing to synchronize with, into ``F.batch_norm``."""
         compiling = is_compiling()
         # A forward re-run by activation checkpointing inside backward (dynamo cannot trace the query: never then).
-        recomputing = not compiling and _is_recomputing()
+        recomputing = not compiling and is_recomputing()
         transport = self._select_transport(input, compiling, recomputing)
         error = self._input_error(input)
         if error is not None:
@@ -470,7 +470,6 @@ class SyncBatchNorm(_BatchNorm):
             return 1.0 / self.num_batches_tracked
         return 1.0 / float(self.num_batches_tracked)
 
-    @torch.compiler.disable
     def _eager_sync_forward(self, input: Tensor, transport: Transport) -> Tensor:
         # Under torch.compile, DataParallel replicas (threads exchanging Python objects), debug mode (a record gathered
         # and compared before every collective) and Join (its controls) run eagerly: one graph break per layer.
@@ -490,6 +489,10 @@ class SyncBatchNorm(_BatchNorm):
         return f"{self._describe()} on DataParallel replica {copy_id}"
 
 
+# Always eager, under a user's torch.compile too: a replica's forward and the synchronized forward of replicas, debug
+# mode and Join (one graph break per layer).
+never_traced(SyncBatchNorm, "_replica_forward", "_eager_sync_forward")
+
 _WARNED_NO_GROUP: list[bool] = [False]
 
 
@@ -505,11 +508,6 @@ def _warn_missing_process_group(description: str) -> None:
         RuntimeWarning,
         stacklevel=4,
     )
-
-
-def _is_recomputing() -> bool:
-    """True while autograd runs a backward pass, where a module forward is a checkpoint recomputation."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class SynchronizedBatchNorm1d(SyncBatchNorm):
