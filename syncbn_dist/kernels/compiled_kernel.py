@@ -17,8 +17,8 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import torch_changes
-from ..compiler_marks import never_traced
 from ..comm.replica import install_placeholder_cuda_guard
+from ..compiler_marks import never_traced
 from .direct_call import DirectCall, GraphCallRecorder, recording_backend
 
 
@@ -62,10 +62,10 @@ class _CompiledKernel:
         self.compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self.direct: dict[tuple[Any, ...], Optional[DirectCall]] = {}
 
-    # Never traced (marked below): a user's torch.compile traces the native ops instead (is_compiling), but where it runs the layer
-    # eagerly while Dynamo still intercepts new frames (a frame it skips, e.g. past its recompile limit), Dynamo would
-    # otherwise trace into inductor's generated code of a direct call, whose in-place functional all_reduce it cannot
-    # compile.
+    # Never traced (marked below): a user's torch.compile traces the native ops instead (is_compiling), but where it
+    # runs the layer eagerly while Dynamo still intercepts new frames (a frame it skips, e.g. past its recompile
+    # limit), Dynamo would otherwise trace into inductor's generated code of a direct call, whose in-place functional
+    # all_reduce it cannot compile.
     def __call__(self, x: Tensor, *args: Any) -> Any:
         # Sizes of 0 and 1 are specialized by Dynamo even with dynamic shapes: N, C and L of one are signatures.
         sizes_of_one = (x.size(0) == 1, x.size(1) == 1, x.size(2) == 1)
