@@ -1,25 +1,12 @@
 """The agreement check: the members of a group are at the same synchronized collective, or all of them raise.
 
-Two checks, which together cover every synchronized collective:
-
-- **Every collective** carries a tag, the identity of its layer and direction, and checks on arrival that every
-  member sent the same one (:mod:`syncbn_dist.comm.tags`): a member at another layer, or in the other direction, with
-  a payload of the same size makes every member raise :class:`LayerMismatchError` at that collective, for no
-  collective of its own.
-- **The group's first step** is also checked *before* each collective, by one fixed-size ``all_gather`` of a short
-  record per member: the layer, its num_features and dtype, the direction, whether ``torch.compile`` traces the call,
-  and any error this member's input has. That catches what a tag cannot: payloads of different sizes (another
-  num_features), which would abort gloo; one rank compiled beside an eager one; a bad input on one rank, whose peers
-  would otherwise wait.
-
-Which collectives the gather checks must not depend on the collective itself, or a rank at a new layer would gather
-while its peer sums a payload. So it depends only on the group's history (:class:`_Window`): every eager collective
-on the group is checked until its first step is over, which is when the backward of the group's first layer, or a
-repeat of an earlier collective, has been checked; ranks whose histories are equal decide alike, and ranks whose
-histories differ have met a mismatch already. Under ``torch.compile`` the layers of a frame's first compilation that
-the group has not checked are checked while Dynamo traces them, before the graph runs any collective (a
-recompilation, which one rank may make alone, checks nothing). In debug mode (:func:`syncbn_dist.set_debug`,
-``SYNCBN_DEBUG=1``) every collective is gathered and numbered, which also names the call where ranks part.
+Every collective carries its layer's and direction's tag, checked on arrival (:mod:`syncbn_dist.comm.tags`). The
+group's first step is also checked before each collective by one ``all_gather`` of a short record per member (layer,
+num_features, dtype, direction, traced or eager, this member's input error): it catches what a tag cannot, payloads
+of other sizes (which abort gloo), a compiled rank beside an eager one, a bad input on one rank. Which collectives
+are gathered depends only on the group's history (:class:`_Window`), so ranks decide alike; under ``torch.compile``
+a frame's first compilation checks while Dynamo traces; debug mode (:func:`syncbn_dist.set_debug`) gathers and
+numbers every collective. docs/design.md, "Every collective checks itself".
 """
 
 from __future__ import annotations
@@ -231,15 +218,10 @@ def agreement_of(layer: Any) -> LayerAgreement:
 
 
 def verify_while_tracing(group_name: str, identity: str, forward: str, key: str, description: str) -> Any:
-    """The gather check of a layer that ``torch.compile`` traces, run once, eagerly, while Dynamo traces it.
-
-    Left out of the graph: every member traces a frame's first compilation before its graph runs a collective, so all
-    of them take part in the gather. Only a frame's first compilation checks, and only layers the group has not
-    checked yet, eagerly or traced (a recompilation, a new batch shape on one rank only, gathers nothing; nor does a
-    rank that compiles a model after eager steps); the layer's backward, inside the compiled graph, counts as checked
-    with its forward. Tracing ends the group's eager first step on this rank, so that a rank that falls back to eager
-    (Dynamo's recompile limit) sends what its compiled peers send. Debug mode's per-call check cannot be traced; debug
-    mode runs the layer eagerly.
+    """The gather check of a layer that ``torch.compile`` traces, run once, eagerly, while Dynamo traces it (every
+    member traces a frame's first compilation before its graph runs a collective, so all of them gather). Only a
+    frame's first compilation checks, and only layers the group has not checked yet (a recompilation on one rank
+    gathers nothing); tracing ends the group's eager first step on this rank. Debug mode runs the layer eagerly.
 
     Args:
         group_name: the process group's name (Dynamo hands groups themselves over as fake objects, names as text).

@@ -1,36 +1,13 @@
 r"""The synchronized layer's per-element work as one Python source that ``torch.compile`` (inductor) fuses.
 
-BatchNorm is memory-bound: the time goes to passes over the activation, not to arithmetic. This module writes the
-four passes of an exact synchronized layer in plain torch ops, and inductor turns them into fused kernels, C++
-on CPU and Triton on CUDA, with the float32 load and the float64 accumulation in one loop (float16/bfloat16: the
-load and a float32 sum of each sample's values, combined in float64):
-
-- forward: :func:`shard_payload` reads ``x`` once for ``[sum(x), sum(x**2), count]`` in float64;
-  :func:`normalize` reads ``x`` and writes ``y``;
-- backward: :func:`grad_reductions` reads ``dy`` and ``x`` for ``[sum(dy), sum(dy * x_hat)]`` in float64;
-  :func:`grad_input` reads ``dy`` and ``x`` and writes ``dx``.
-
-That is 8 activation accesses per element, the count of ``torch.nn.SyncBatchNorm``'s CUDA kernels (32 B per
-float32 element), with no float64 copy of the activation. Over a process group the collective runs inside the
-compiled region (:func:`forward_region`, :func:`backward_region`, with torch's functional all_reduce), so one
-layer is one compiled call per direction; other transports (the DataParallel exchange) call the pieces with their
-own exchange in between. docs/design.md, "Compiled kernels", has the design and what inductor needed.
-
-The switch is :func:`set_kernels` (or the environment variable ``SYNCBN_DIST_KERNELS``): ``"native"`` (the
-default) keeps the native-op path (:mod:`syncbn_dist.native`), which compiles nothing, ``"compiled"`` uses these
-kernels, ``"auto"`` uses them for CPU tensors where inductor finds a C++ compiler (otherwise it warns once and keeps
-the native path) and the native path on CUDA, where it measured faster. The compiled kernels are opt-in because
-their first call compiles, seconds to tens of seconds on the caller's critical path (docs/compile.md, "The
-default kernels"). Under a user's own ``torch.compile`` this source is what the
-layer traces into the user's graph (:func:`layer_forward`, :func:`layer_backward`), on every device and whatever the
-switch says, so that inductor fuses it with the layers around it; docs/compile.md.
-
-Exactness: the shard sums are taken about the shard's first value per channel (a shift that removes a large mean
-before squaring, then added back in float64, as :func:`syncbn_dist.statistics._copy_free_payload` does), and every
-reduction of float32 or float64 input accumulates in float64, so the statistics are exact to float64 rounding at
-any |mean|/std (float16/bfloat16 input: about 1e-6 relative, :func:`_sum_per_channel`, against the input's own
-2**-11 or 2**-8); the elementwise passes compute ``(x - mean) * scale + shift`` in the statistics dtype, as the
-native kernels do.
+Four passes, 8 activation accesses per element (32 B per float32 element, no float64 copy): forward
+:func:`shard_payload` and :func:`normalize`, backward :func:`grad_reductions` and :func:`grad_input`. Over a process
+group each direction is one compiled region with torch's functional all_reduce inside (:func:`forward_region`,
+:func:`backward_region`); the DataParallel exchange calls the pieces with its exchange between them. The same source
+is what a user's ``torch.compile`` traces into its graph (:func:`layer_forward`, :func:`layer_backward`), on every
+device. Which eager calls take these kernels: :func:`takes_compiled_kernels` (``syncbn_dist.set_kernels``). The
+design, the exactness argument (shifted float64 sums, Chan et al. 1979) and what inductor needed, with their
+measurements: docs/design.md, "Compiled kernels"; docs/compile.md.
 """
 
 from __future__ import annotations
@@ -65,13 +42,8 @@ NATIVE: Any = _Native()
 
 
 def takes_compiled_kernels(input: Tensor, compiling: bool) -> bool:
-    """Whether a synchronized call runs this module's source, decided once per call (``compiling``: the caller's
-    :func:`~syncbn_dist.kernels.tracing.is_compiling`).
-
-    Under a user's ``torch.compile`` the graph holds this source, on every device (the decomposable math, no aten
-    batch-norm op), whatever the switch says. In eager mode the switch (:func:`use_compiled`) decides, except in
-    forward-mode AD, whose ``jvp``s are written in native ops; with the native kernels nothing else is looked up.
-    """
+    """Whether a synchronized call runs this module's source: always under a user's ``torch.compile``
+    (``compiling``), else as :func:`use_compiled` says, but never in forward-mode AD (its ``jvp``s are native ops)."""
     return compiling or (use_compiled(input) and not _forward_ad_active())
 
 
@@ -147,24 +119,12 @@ def _reduced_dims(input: Tensor) -> list[int]:
 
 
 def _sum_per_channel(t: Tensor, staged: bool = True) -> Tensor:
-    """Sum a (N, C, *) tensor over every dimension but C into (C,) float64, in the order that suits its layout and
-    dtype; it is viewed as (N, C, L) (a view for contiguous and channels-last tensors).
+    """Sum a (N, C, *) tensor over every dimension but C into (C,) float64, viewed as (N, C, L).
 
-    ``staged=False`` (the layer traced into a user's ``torch.compile`` graph): one reduction over every dimension
-    but C, as plain BatchNorm's ``var_mean`` is, so that inductor gives it the loop order, the fusion with its
-    neighbours and (on CUDA) the split it gives plain BatchNorm. Measured on a ResNet-50 topology compiled on CPU:
-    1.9 generated kernels per layer over plain BatchNorm's, against 4.4 with the stages below.
-
-    float64 ``t``, contiguous: one stage, the inner loop over L. float64 ``t``, channels innermost (channels_last
-    flattened): first over L, then over N, because inductor's CPU kernel walks a reduced dimension once per block of
-    8 channels, so a single stage over N * L would reread the whole activation from memory C / 8 times (measured 3 ms
-    against 0.8 for (32, 64, 28, 28) float32 channels_last) where one sample's (L, C) slab stays in cache.
-
-    float32 ``t`` (the per-element terms of float16/bfloat16 input, :func:`_term_dtype`): each sample's L values
-    sum in float32 (inductor's cascade summation), the N row sums in float64. Converting a 16-bit load to float64
-    costs inductor's CPU kernels 5-7x the reduction time of a float32 one (measured 0.28 ms against 0.04 for
-    (8, 256, 196) bfloat16); the row sums keep about 1e-6 relative at L = 2**20 (measured), far below the input's
-    own rounding (2**-8 for bfloat16, 2**-11 for float16).
+    ``staged=False`` (a user's graph): one reduction, as plain BatchNorm's ``var_mean``, laid out by inductor
+    (ResNet-50 on CPU: 1.9 generated kernels per layer over plain BatchNorm's, against 4.4 staged). Staged: float64
+    channels-innermost terms over L, then N (one sample's slab stays in cache); float32 terms (float16/bfloat16
+    input) per sample in float32, over samples in float64. Why, measured: docs/design.md, "What inductor needed".
     """
     if not staged:
         return t.sum([0, *range(2, t.dim())]).to(_F64)
@@ -183,31 +143,24 @@ def _stat_dtype(x: Tensor) -> torch.dtype:
 
 
 def _term_dtype(x: Tensor) -> torch.dtype:
-    """Dtype of the per-element terms the reductions sum: the statistics dtype (float32) for float16/bfloat16 input
-    (exact for the difference of two such values of nearby magnitude), else float64 (exact for the difference of
-    two float32)."""
+    """Dtype of the per-element terms the reductions sum: float32 for float16/bfloat16 input, else float64 (exact
+    for the difference of two values of the input's dtype)."""
     stat = _stat_dtype(x)
     return _F64 if stat == x.dtype else stat
 
 
-# The one source. Each function is plain torch ops on (N, C, *) tensors: the eager kernels call them on (N, C, L)
-# views with N * L >= 2, and a user's torch.compile traces them on the layer's own tensors, an empty shard included.
-# The per-channel coefficients the elementwise passes use are returned too, so that inductor stores them once per
-# channel rather than recomputing them (rsqrt in float64) at every element.
+# The one source: plain torch ops on (N, C, *) tensors, eager (N, C, L) views with N * L >= 2, or the layer's own
+# tensors in a user's graph, an empty shard included. Per-channel coefficients are returned so inductor stores them.
 
 
 def shard_payload(x: Tensor, tag: Optional[Tensor] = None, *, staged: bool = True) -> tuple[Tensor, Tensor]:
     """``[sum(x) (C), sum(x**2) (C), count, tag (5)]`` of one shard as (2C + 6,) float64, from one pass over ``x``;
     ``tag`` is the collective's tag (:mod:`syncbn_dist.comm.tags`), five float64 values (None: no tag, 2C + 1 values).
 
-    The sums are taken about ``s``, the shard's first value per channel: ``d = x - s`` (float64 for float32 input,
-    float32 for float16/bfloat16: :func:`_term_dtype`) is exact and small next to a large mean, so ``sum(d**2)``
-    keeps the variance; then
-    ``sum(x) = sum(d) + n s`` and ``sum(x**2) = sum(d**2) + s (2 sum(d) + n s)`` (Chan et al. 1979, as sums).
-
-    Returns ``(payload, s)``. ``s`` (C,) is returned so that inductor stores it as a buffer of its own: inlined, the
-    kernel that finishes a two-stage sum (channels-innermost input, :func:`_sum_per_channel`) reloads it from ``x``,
-    and inductor's byte count charges that load of C values as a whole pass over ``x`` (4 B per float32 element).
+    The sums are taken about ``s``, the shard's first value per channel, in :func:`_term_dtype` (exact, and small
+    next to a large mean): ``sum(x) = sum(d) + n s`` and ``sum(x**2) = sum(d**2) + s (2 sum(d) + n s)`` with
+    ``d = x - s`` (Chan et al. 1979, as sums). Returns ``(payload, s)``: ``s`` (C,) is an output so that inductor
+    stores it (inlined, its reload counted as another pass over ``x``).
     """
     count = _values_per_channel(x)
     terms = _term_dtype(x)
@@ -225,8 +178,7 @@ def shard_payload(x: Tensor, tag: Optional[Tensor] = None, *, staged: bool = Tru
 
 
 def _first_value_per_channel(x: Tensor) -> Tensor:
-    """``x[0, :, 0, ..., 0]`` of an (N, C, *) tensor, as (C,), by ``select`` (which fake tensors on a device this build
-    of torch lacks can trace, unlike integer indexing: tests trace the layer for CUDA inputs on CPU-only machines)."""
+    """``x[0, :, 0, ..., 0]`` as (C,), by ``select`` (fake CUDA tensors on a CPU build trace it, not indexing)."""
     first = x.select(0, 0)
     for _ in range(x.dim() - 2):
         first = first.select(1, 0)
@@ -234,16 +186,9 @@ def _first_value_per_channel(x: Tensor) -> Tensor:
 
 
 def _stored(t: Tensor) -> Tensor:
-    """``t`` (a per-channel coefficient), which inductor then computes once per channel and stores.
-
-    Inductor inlines a pointwise producer into each consumer: a coefficient of C values that only a pass over the
-    activation reads would be computed again at every element, from the float64 totals (a division, a root and a dozen
-    float64 operations per element, where plain BatchNorm's compiled kernels take one root). ``as_strided`` needs its
-    input in memory (inductor lowers it by realizing it, on every device), so the identity ``as_strided`` makes the
-    coefficient a buffer of its own, computed in the loop over channels beside the layer's other per-channel work, and
-    the pass over the activation loads it. In eager mode it is a view of ``t``. Held by tests/test_compiled_graph.py
-    (C4: no float64, root or division per element in a pointwise loop).
-    """
+    """``t`` (a per-channel coefficient) as a buffer inductor computes once per channel and stores, not inlined into
+    every element: an identity ``as_strided`` needs its input realized (a view in eager mode). docs/compile.md, "One
+    source on every device"; held by tests/test_compiled_graph.py (C4)."""
     return t.as_strided(t.size(), t.stride())
 
 
@@ -275,10 +220,8 @@ def grad_reductions(
 ) -> Tensor:
     """This shard's ``[sum(dy) (C), sum(dy * x_hat) (C)]`` as (2C,) float64, from one pass over ``dy`` and ``x``.
 
-    ``ones`` (C,) holds 1.0 or is None (:func:`channel_ones`): ``sum(dy * ones)`` is ``sum(dy)``, indexed by channel as
-    ``sum(dy * x_hat)`` is, so inductor gives both sums one loop nest and fuses them. Without it inductor flattens
-    the first stage of ``sum(dy)`` to (N * C, L) where the inputs are contiguous, and reads ``dy`` twice (float16 and
-    bfloat16, whose row sums are two stages: 20 B per bfloat16 element against 16).
+    ``ones`` (C,) holds 1.0 or is None (:func:`channel_ones`): ``sum(dy * ones)`` is indexed by channel as
+    ``sum(dy * x_hat)`` is, so inductor fuses the two sums into one read of ``dy`` (two-stage float16/bfloat16 sums).
     """
     terms, shape = _term_dtype(x), _channel_shape(x)
     grad = dy.to(terms)
@@ -341,12 +284,10 @@ def forward_region(
     x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, clip: bool, group_name: Optional[str],
     tag: Optional[Tensor] = None, *, staged: bool = True, verify: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> tuple[Tensor, ...]:
-    """One layer's training forward over a process group: payload, all_reduce, normalize. Returns ``(y, mean,
-    unbiased_var, var, count)`` as :func:`normalize` does, then the summed tag (for the caller to verify: eager
-    regions; None without a ``tag``), ``scale`` and :func:`shard_payload`'s shift (returned so that they are stored,
-    not recomputed).
-    ``staged``: see :func:`_sum_per_channel`; ``verify``: checks the summed payload inside a traced graph and returns
-    it (:func:`syncbn_dist.comm.tags.checked_in_graph`)."""
+    """One layer's training forward over a process group: payload, all_reduce, normalize. Returns :func:`normalize`'s
+    ``(y, mean, unbiased_var, var, count)``, the summed tag (None without ``tag``; eager callers verify it), then
+    ``scale`` and the shift (outputs so they are stored). ``staged``: :func:`_sum_per_channel`; ``verify``: checks the
+    summed payload inside a traced graph (:func:`syncbn_dist.comm.tags.checked_in_graph`)."""
     payload, shift = shard_payload(x, tag, staged=staged)
     total = all_reduce_sum(payload, group_name)
     if verify is not None:
@@ -366,13 +307,11 @@ def backward_region(
     eps: float, clip: bool, group_name: Optional[str], need_input: bool, tag: Optional[Tensor] = None, *,
     staged: bool = True, verify: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> tuple[Optional[Tensor], ...]:
-    """One layer's backward over a process group: local reductions, all_reduce, grad_input. Returns
-    ``(grad_input or None, sum(dy * x_hat), sum(dy), summed tag, *coefficients)``: the parameter gradients are the
-    local sums in the statistics dtype (DistributedDataParallel averages them, as with ``torch.nn.SyncBatchNorm``),
-    the summed tag is for the caller to verify (eager regions), and :func:`grad_input`'s per-channel coefficients are
-    returned so that they are stored, not recomputed. The payload ``[sum(dy), sum(dy * x_hat), 0, tag]`` has the
-    forward's size, so that a forward meeting a backward is a tag mismatch. ``staged``: see :func:`_sum_per_channel`;
-    ``verify``: as :func:`forward_region` takes it."""
+    """One layer's backward over a process group: local reductions, all_reduce, grad_input. Returns ``(grad_input or
+    None, sum(dy * x_hat), sum(dy), summed tag, *coefficients)``, the sums local, in the statistics dtype (DDP
+    averages the parameter gradients, as with ``torch.nn.SyncBatchNorm``). The payload ``[sum(dy), sum(dy * x_hat),
+    0, tag]`` has the forward's size, so a forward meeting a backward is a tag mismatch. ``staged``, ``verify``: as
+    :func:`forward_region`'s."""
     local = grad_reductions(dy, x, mean, var, ones, eps, staged=staged)
     # In the statistics dtype here, right after the reductions, so that the compiler converts them there too.
     sum_dy, sum_dy_xhat = local.to(_stat_dtype(x)).chunk(2)
@@ -397,12 +336,8 @@ COMPILED_KERNELS = (
 )
 
 
-# The entry points of syncbn_dist.functions. Each views the layer's (N, C, *) tensors as (N, C, L), so that every
-# rank shares one compiled graph per dtype and layout (channels_last flattens to channels-innermost (N, C, L)), and
-# passes the affine parameters in the statistics dtype, ones and zeros standing for absent ones. Every tensor goes
-# in detached: they are called inside an autograd Function's forward or backward, and a compiled region given a
-# tensor that requires grad takes a slower way through Dynamo's guards and AOT autograd's runtime wrappers (measured
-# 15-50 µs a call more at (256, 512) float32).
+# The entry points of syncbn_dist.layer.functions: each views the (N, C, *) tensors as detached (N, C, L) (one graph
+# per dtype and layout; a tensor that requires grad costs a region 15-50 µs), affine parameters in the statistics dtype.
 
 
 def _as_3d(t: Tensor) -> Tensor:
@@ -437,15 +372,11 @@ def layer_forward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The training forward over the process group ``group_name`` (None: a group of one) in one compiled region.
 
-    Returns ``(output, mean, unbiased_var, var, count, summed_tag)``, as
-    ``syncbn_dist.layer.functions._SyncBatchNormFunction``'s forward needs them: the output in the input's shape,
-    dtype and memory format; the statistics in the statistics dtype (``var`` the normalizing variance); the (1,)
-    float64 global count; the summed tags of the collective, which the caller verifies (``tag``: its
-    :class:`~syncbn_dist.comm.tags.CollectiveTag`).
-
-    Under a user's ``torch.compile`` the region's source is traced into the user's graph instead, on the input
-    itself, so that inductor fuses it with the layers around it as it fuses plain BatchNorm; there ``tag`` is a
-    :class:`~syncbn_dist.comm.tags.TracedTag`, checked by an op of the graph.
+    Returns ``(output, mean, unbiased_var, var, count, summed_tag)``: the output in the input's shape, dtype and
+    memory format; the statistics in the statistics dtype (``var`` the normalizing variance); the (1,) float64 global
+    count; the summed tags, which the caller verifies (``tag``: its :class:`~syncbn_dist.comm.tags.CollectiveTag`).
+    Under a user's ``torch.compile`` the region's source is traced into the user's graph on the input itself, and
+    ``tag`` is a :class:`~syncbn_dist.comm.tags.TracedTag`, checked by an op of the graph.
     """
     if is_compiling():
         tag_values, verify = _traced_check(tag, input)
@@ -470,12 +401,8 @@ def layer_backward(
     eps: float, clip: bool, group_name: Optional[str], need_input: bool, tag: Any,
 ) -> tuple[Optional[Tensor], Tensor, Tensor, Tensor]:
     """The backward of :func:`layer_forward` in one compiled region; ``grad_output`` in the input's memory format.
-
-    Returns ``(grad_input or None, sum(dy * x_hat), sum(dy), summed_tag)``, the sums the (C,) local sums in the
-    statistics dtype (accumulated in float64), the summed tags for the caller to verify (``tag``: as
-    :func:`layer_forward` takes it). Under a user's ``torch.compile``, the region's source traced into the user's
-    graph (see :func:`layer_forward`).
-    """
+    Returns ``(grad_input or None, sum(dy * x_hat), sum(dy), summed_tag)``, the (C,) local sums in the statistics
+    dtype; traced into a user's graph as :func:`layer_forward` is."""
     if is_compiling():
         tag_values, verify = _traced_check(tag, input)
         return backward_region(

@@ -1,27 +1,14 @@
 r"""The synchronized batch-norm autograd Functions and :func:`sync_batch_norm`, over any transport.
 
-One synchronized layer exchanges two small float64 tensors, whatever the transport:
-
-- forward, the local payload of 2C + 1 values ``[sum(x) (C), sum(x**2) (C), count]``, summed over every member
-  into the global payload (:mod:`syncbn_dist.kernels.statistics`);
-- backward, the local reductions of 2C values ``[sum(dy) (C), sum(dy * x_hat) (C)]``, summed into the global
-  ones, from which every member forms the exact global-batch ``grad_input``.
-
-The per-element work runs on one of two kernel sets with the same math: torch's batch-norm ops
-(:mod:`syncbn_dist.kernels.native`) or one compiled region per direction (:mod:`syncbn_dist.kernels.compiled`,
-whose source is also what a user's ``torch.compile`` traces). Two autograd shapes share it:
-
-- :class:`_SyncBatchNormFunction`, one Function for transports that can sum a tensor inside a Function
-  (``torch.distributed``): forward and backward each run one collective. It is what ``torch.compile`` traces.
-- ``_LocalPayload`` -> ``transport.all_reduce`` -> ``_Normalize`` (:mod:`syncbn_dist.layer.exchange_functions`), for
-  transports whose sum is itself differentiable (the DataParallel exchange, whose replicas' backward runs in one
-  autograd thread where no exchange could happen): each Function has the true vector-Jacobian product of its
-  forward, so the gradient of the global payload, summed by the exchange, carries the cross-replica terms back.
-
-Higher-order derivatives are exact on both shapes: under ``backward(create_graph=True)`` each backward records
-autograd's own gradients of the forward written in plain ops (over a process group with the transport's
-differentiable ``all_reduce``), so they can be differentiated again; forward-mode AD has ``jvp``s with the global
-tangent statistics. docs/design.md, "Higher-order derivatives", has the math.
+One float64 collective per direction, whatever the transport: forward ``[sum(x), sum(x**2), count, tag]``, backward
+``[sum(dy), sum(dy * x_hat), 0, tag]`` (2C + 6 values each), from which every member forms the global-batch
+statistics and ``grad_input`` (:mod:`syncbn_dist.kernels.statistics`). The per-element work runs on the native ops
+(:mod:`syncbn_dist.kernels.native`) or one compiled region per direction (:mod:`syncbn_dist.kernels.compiled`, also
+what a user's ``torch.compile`` traces). Two autograd shapes share it: :class:`_SyncBatchNormFunction` for transports
+that sum inside a Function (``torch.distributed``), and ``_LocalPayload`` -> ``transport.all_reduce`` ->
+``_Normalize`` (:mod:`syncbn_dist.layer.exchange_functions`) for a differentiable exchange (DataParallel replicas,
+whose backward runs in one thread). Higher-order derivatives are exact on both: docs/design.md, "Higher-order
+derivatives".
 """
 
 from __future__ import annotations
