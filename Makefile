@@ -93,6 +93,7 @@ compare: install
 bench: install
 	$(PY) -m launch.bench.run --config configs/bench.yaml $(ARGS)
 	OMP_NUM_THREADS=1 $(PY) -m launch.bench.compiled_graph output=docs/performance_compiled_graph.md
+	$(PY) -m launch.bench.fast_paths output=docs/performance_fast_paths.md
 
 # On a CUDA machine: the gpu-marked tests on both kernel sets, the one-layer benchmark on the GPU, the ResNet-50
 # training step with each library's synchronization forced (launch.bench.resnet50_step: issue 34's G1-G3 ratios) and

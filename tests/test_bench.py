@@ -528,3 +528,19 @@ def test_resnet50_step_on_cuda_forces_torchs_function_and_counts_kernels(
         assert row["max_abs_logit_diff"] <= 1e-4, (name, row["max_abs_logit_diff"])
         torch.testing.assert_close(row["losses"], plain["losses"], rtol=1e-5, atol=0.0, msg=name)
     assert all(t["ratio"] > 0 for t in record["targets"] if t["numerator"] == "syncbn_dist_native")
+
+
+def test_each_fast_path_is_one_line_of_the_package_and_its_copy_retires_it(tmp_path: Path) -> None:
+    from launch.bench import fast_paths
+
+    package = Path(fast_paths.syncbn_dist.__file__).parent
+    for path, (relative, keep, retire, _) in fast_paths.FAST_PATHS.items():
+        assert (package / relative).read_text().count(keep) == 1, f"{path}: the line it names is gone"
+        name = fast_paths._retired_copy(path, str(tmp_path))
+        text = (tmp_path / name / relative).read_text()
+        assert keep not in text and text.count(retire) >= 1
+        # the copy differs from the package in that one file only
+        changed = [p.relative_to(tmp_path / name) for p in (tmp_path / name).rglob("*.py")
+                   if p.read_text() != (package / p.relative_to(tmp_path / name)).read_text()]
+        assert changed == [Path(relative)]
+    assert fast_paths.main(["paths=[no_such_path]"]) == 2

@@ -37,7 +37,7 @@ def _json(path: Path) -> Optional[dict[str, Any]]:
 def renders(root: Path = ROOT) -> dict[tuple[Path, Optional[str]], str]:
     """What each generated file (or README section, by name) must hold: ``{(path, section or None): text}``.
 
-    A report whose JSON is absent is left out; the README's GPU section says "not measured" for what is absent.
+    A report whose JSON is absent is left out; the README's GPU section says which report is absent.
     """
     docs = root / "docs"
     cpu, gpu = _json(docs / "performance.json"), _json(docs / "performance_cuda.json")

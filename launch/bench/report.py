@@ -196,13 +196,14 @@ _STEP_ROWS = (
 
 def readme_gpu_section(layer: Optional[dict[str, Any]], step: Optional[dict[str, Any]]) -> str:
     """The README's generated ``gpu table`` section: the ResNet-50 training step (the record of
-    :mod:`launch.bench.resnet50_step`) against plain BatchNorm and torch.nn.SyncBatchNorm, or that it is not
-    measured; then one layer's range from ``make bench-gpu``'s benchmark summary (``layer``), if there is one."""
+    :mod:`launch.bench.resnet50_step`) against plain BatchNorm and torch.nn.SyncBatchNorm, or that no report of it
+    exists; then one layer's range from ``make bench-gpu``'s benchmark summary (``layer``), if there is one."""
     out = []
     if step is None:
         out += [
-            "**GPU**: the ResNet-50 training step against plain BatchNorm and torch.nn.SyncBatchNorm is **not "
-            "measured yet** (`make bench-gpu`, stage `step`, measures it).",
+            "**GPU**: the ResNet-50 training step against plain BatchNorm and torch.nn.SyncBatchNorm has **no "
+            "generated report yet** (`make bench-gpu`, stage `step`, writes one); its one run, by hand on an H200, is "
+            "in [docs/gpu.md](docs/gpu.md#the-resnet-50-training-step-on-an-h200).",
         ]
     else:
         cfg = step["config"]

@@ -39,6 +39,7 @@ __all__ = [
     "patch_sync_batchnorm",
 ]
 
+
 class _SoloTransport:
     """The transport of a group of one: the sum over the members is the tensor itself (no communication)."""
 
@@ -249,10 +250,9 @@ class SyncBatchNorm(_BatchNorm):
         self._replay_records: list[Any] = []
 
     def _select_transport(self, input: Tensor, compiling: bool, recomputing: bool = False) -> Optional[Transport]:
-        """What this training call sums over, built once, innermost first: the process group (the cached transport of
-        ``process_group``, or the Join session's while a ``Join`` is open), the first-step gather check while due,
-        the DataParallel exchange of this layer's replicas, and a replica's record of it (or, in a checkpoint
-        recomputation, its replay). None: local (eval, or nothing to synchronize with)."""
+        """What this training call sums over, built once, innermost first: the process group (or the Join session's
+        copy), the first-step gather check while due, the DataParallel exchange, a replica's record of it (or its replay
+        in a recomputation). None: local (eval, or nothing to synchronize with)."""
         if not self.training:
             return None
         # Dynamo traces torch.distributed's own queries (constants in the graph), not a cache of their answers.
@@ -298,10 +298,8 @@ class SyncBatchNorm(_BatchNorm):
         return f"num_features={self.num_features} dtype={dtype}"
 
     def _identity(self) -> str:
-        """What names this layer alike on every rank: its qualified name in the model (set by convert_model), else its
-        class and width. Nothing that depends on the process's history (the order layers were made in, which differs
-        where one rank builds a model more) names a layer, so that ranks never disagree about the same layer; an
-        unnamed layer is told from another unnamed one of the same class and width only by the direction."""
+        """What names this layer alike on every rank (its collective tags): its qualified name from convert_model,
+        else its class and width, never the process's history (docs/design.md, "Every collective checks itself")."""
         name = self.__dict__.get("_qualified_name")
         if name is not None:
             return name
@@ -367,9 +365,8 @@ class SyncBatchNorm(_BatchNorm):
         return self._sync_forward(input, transport, compiling, recomputing)
 
     def _local_forward(self, input: Tensor, recomputing: bool) -> Tensor:
-        """``nn.BatchNorm``'s forward, except in a checkpoint recomputation of a call that updated the running
-        statistics, which must not update them again (plain nn.BatchNorm would): the same normalization on throw-away
-        copies of the buffers, saving the tensors the original forward saved (checkpointing compares them)."""
+        """``nn.BatchNorm``'s forward; a checkpoint recomputation of a call that updated the running statistics
+        normalizes with throw-away copies of them, saving the tensors the original forward saved."""
         if not (recomputing and self.training and self.track_running_stats and self.running_mean is not None):
             return super().forward(input)
         running_mean, running_var = self.running_mean.clone(), self.running_var.clone()
@@ -378,8 +375,7 @@ class SyncBatchNorm(_BatchNorm):
     def _share_input_error(
         self, transport: Optional[Transport], input: Tensor, error: Exception, compiling: bool
     ) -> None:
-        """Before raising ``error`` here: where this collective would have been checked, the peers check with this
-        rank's error instead, so every member raises (LayerMismatchError, on the members whose input is good)."""
+        """Where this collective would be gather-checked, send this rank's input error instead: every member raises."""
         group = None if transport is None or compiling else transport.agreement_group()
         if group is not None and check_due(group):
             tag = self._tags_of_call(input, self.weight, self.bias, transport, False)[0]
@@ -389,12 +385,9 @@ class SyncBatchNorm(_BatchNorm):
         return settings._EPS_MODE if self.eps_mode is None else settings._resolve_eps_mode(self.eps_mode)
 
     def _sync_forward(self, input: Tensor, transport: Transport, compiling: bool, recomputing: bool = False) -> Tensor:
-        """The synchronized training forward; ``torch.compile`` traces it whole on the distributed transport.
-
-        Under compilation the agreement check runs while the graph is traced (every member traces its first
-        compilation at the same layer, so all of them take part); see :mod:`syncbn_dist.comm.agreement`. A checkpoint
-        recomputation (``recomputing``) normalizes with the original forward's statistics and leaves the running
-        statistics alone: over a process group the same collective runs again on every member, replicas replay it.
+        """The synchronized training forward, traced whole by ``torch.compile`` over a process group. A checkpoint
+        recomputation (``recomputing``) normalizes with the original call's statistics (the same collective again on
+        every member; replicas replay theirs) and leaves the running statistics alone.
         """
         weight, bias = self.weight, self.bias
         tags = self._tags_of_call(input, weight, bias, transport, compiling)
@@ -426,13 +419,9 @@ class SyncBatchNorm(_BatchNorm):
     def _tags_of_call(
         self, input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], transport: Any, compiling: bool
     ) -> tuple[Any, Any]:
-        """The :class:`~syncbn_dist.comm.tags.CollectiveTag` of this call's forward and backward collectives, looked up
-        once per direction and name (a layer renamed by convert_model gets new ones); while ``torch.compile`` traces
-        the call, as constants of the graph (:class:`~syncbn_dist.comm.tags.TracedTag`) from the trace-time agreement
-        check.
-
-        The forward's direction says whether autograd will run its backward (and with it the backward's collective),
-        which every member must agree on: a forward under ``no_grad`` on one rank meets a training forward on another.
+        """The :class:`~syncbn_dist.comm.tags.CollectiveTag` of this call's forward and backward collectives, cached per
+        direction and name; under ``torch.compile``, constants of the graph from the trace-time check. The forward's
+        direction says whether autograd will run the backward's collective, which every member must agree on.
         """
         with_backward = torch.is_grad_enabled() and (
             input.requires_grad
