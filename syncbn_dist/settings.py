@@ -1,20 +1,8 @@
 """Every process-wide switch of syncbn_dist, and every environment variable it reads, in one place.
 
-- The kernels of an eager layer: :func:`set_kernels`, :func:`get_kernels`; ``SYNCBN_DIST_KERNELS`` (read at every
-  call until :func:`set_kernels` is called); default ``"native"``.
-- How ``eps`` meets the batch variance: :func:`set_sbn_eps_mode` (a layer's ``eps_mode`` overrides it); default
-  ``"plus"``.
-- Debug mode (check every collective): :func:`set_debug`, :func:`is_debug_enabled`; ``SYNCBN_DEBUG`` (read at
-  import); default off.
-- How long a DataParallel replica waits for its peers: ``SyncBatchNorm.replica_timeout`` (per layer), whose default
-  is ``SYNCBN_REPLICA_TIMEOUT`` (read at import); 300 s.
-- ``torch.nn.SyncBatchNorm`` patched in a process at start-up: ``SYNCBN_PATCH_TORCH=1``, which ``python -m
-  syncbn_dist.run`` sets for its target and the processes it starts.
-- How many processes the launcher started: torchrun's ``WORLD_SIZE`` (:func:`launched_world_size`, read at every
-  call), which a layer compares with ``torch.distributed``'s state to warn when no process group was made.
-
-The variables keep the names they were published under (two prefixes, ``SYNCBN_DIST_`` and ``SYNCBN_``); this module
-is where each is read, and the library's other modules read the switches here, never the environment.
+The library's other modules read the switches here, never the environment. The variables (docs/api/switches.md,
+"Environment variables") keep the names they were published under; torchrun's ``WORLD_SIZE`` is read too
+(:func:`launched_world_size`).
 """
 
 from __future__ import annotations
@@ -35,14 +23,12 @@ __all__ = [
     "set_sbn_eps_mode",
 ]
 
-# ---------------------------------------------------------------------------------------------------------------
 # The kernels
-# ---------------------------------------------------------------------------------------------------------------
 
 KERNEL_MODES = ("auto", "compiled", "native")
 KERNELS_ENV = "SYNCBN_DIST_KERNELS"
-# Native: nothing compiles on a job's critical path. Compiling in the background while the first calls run natively
-# is not safe in torch 2.13 (docs/compile.md, "The default kernels"), so the compiled kernels are opt-in.
+# Native: nothing compiles on a job's critical path (why the compiled kernels are opt-in: docs/compile.md, "The
+# default kernels").
 DEFAULT_KERNELS = "native"
 
 _mode: Optional[str] = None
@@ -51,18 +37,13 @@ _mode: Optional[str] = None
 def set_kernels(mode: str) -> None:
     """Choose the kernels of every synchronized layer's eager training forward and backward, process-wide.
 
-    ``"native"`` (the default) is the native-op path (torch's batch-norm kernels and a float64 copy of the activation
-    for the statistics), which compiles nothing; ``"compiled"`` uses :mod:`syncbn_dist.kernels.compiled`, compiled by
-    ``torch.compile`` with inductor on first use (dynamic shapes: one graph per direction for each dtype and memory
-    format, shared by every layer, rank and batch size), on the first call's critical path; ``"auto"`` uses the
-    compiled kernels for CPU tensors where inductor finds a C++ compiler (else native, with one warning naming why)
-    and the native ones for CUDA tensors, which compile nothing and measured about as fast there (a GPU layer is
-    bound by per-call host work; docs/performance_cuda.md). On CPU the compiled kernels make a long job's steps
-    faster; a short job is faster on the native ones (docs/compile.md, "The default kernels"). Overrides
-    ``SYNCBN_DIST_KERNELS``. In forward-mode AD, in ``backward(create_graph=True)``, under a ``TorchDispatchMode``
-    and for shards of at most one value per channel the native ops run whatever the mode; under a user's
-    ``torch.compile`` the layer traces the compiled kernels' source whatever the mode. Both kernel sets give the
-    global-batch result and send the same collectives, so members may differ in mode.
+    ``"native"`` (the default) runs torch's batch-norm ops and compiles nothing; ``"compiled"`` runs
+    :mod:`syncbn_dist.kernels.compiled` through ``torch.compile`` (inductor), compiled at first use on the caller's
+    critical path; ``"auto"`` compiles for CPU tensors where inductor finds a C++ compiler (else native, with one
+    warning naming why) and runs the native kernels on CUDA. On CPU the compiled kernels make a long job's steps
+    faster, a short job is faster native (docs/compile.md, "The default kernels"). Overrides ``SYNCBN_DIST_KERNELS``.
+    In ``backward(create_graph=True)`` the native ops run whatever the mode; where else, and what a user's
+    ``torch.compile`` traces: docs/api/switches.md, "Kernels".
 
     Args:
         mode: ``"auto"``, ``"compiled"`` or ``"native"``.
@@ -91,9 +72,7 @@ def _checked_mode(mode: Any, source: str) -> str:
     return mode
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # eps mode
-# ---------------------------------------------------------------------------------------------------------------
 
 # The process-wide default of SyncBatchNorm.eps_mode; see set_sbn_eps_mode.
 _EPS_MODE = "plus"
@@ -106,9 +85,8 @@ def set_sbn_eps_mode(mode: str) -> None:
 
     The classic Synchronized-BatchNorm-PyTorch API, with the same global scope. ``"plus"`` (the default)
     normalizes by ``sqrt(var + eps)``, as ``nn.BatchNorm`` does; ``"clip"`` (spelled ``"clamp"`` in the classic
-    library, whose default it is) by ``sqrt(max(var, eps))``, for reproducing models trained with it. Unlike the
-    classic library, "clip" applies to every training forward, synchronized or not, so a model gives the same
-    result on one replica as on many. Eval mode always uses ``running_var + eps``, as both libraries do.
+    library, whose default it is) by ``sqrt(max(var, eps))``, for reproducing models trained with it, in every
+    training forward, synchronized or not. Eval mode always uses ``running_var + eps``, as both libraries do.
     A layer's own ``eps_mode`` attribute, when not None, overrides this default.
 
     Args:
@@ -127,9 +105,7 @@ def _resolve_eps_mode(mode: str) -> str:
     return _EPS_MODE_ALIASES[mode]
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # Debug mode, timeouts, the torch patch of child processes
-# ---------------------------------------------------------------------------------------------------------------
 
 _DEBUG = os.environ.get("SYNCBN_DEBUG", "0").strip().lower() not in ("", "0", "false", "no", "off")
 
@@ -140,8 +116,11 @@ def set_debug(enabled: bool) -> None:
     In debug mode every synchronized collective, forward and backward, is preceded by one small ``all_gather`` that
     checks that all members are at the same collective (call number, layer name, num_features, dtype, direction); on
     a mismatch every member raises :class:`LayerMismatchError` naming each rank's layer, instead of hanging or mixing
-    statistics. Off by default: then each layer checks its first forward and first backward only, and costs nothing
-    after them.
+    statistics. Off by default: the collectives' tags and the group's first step check what they can
+    (docs/troubleshooting.md, "What is caught, and when").
+
+    Args:
+        enabled: True turns debug mode on, False off.
     """
     global _DEBUG
     _DEBUG = bool(enabled)
@@ -155,8 +134,7 @@ def is_debug_enabled() -> bool:
 # How long a replica waits for the others at one synchronized layer before giving up (seconds).
 DEFAULT_REPLICA_TIMEOUT = float(os.environ.get("SYNCBN_REPLICA_TIMEOUT", "300"))
 
-# Set to "1" by ``python -m syncbn_dist.run`` for its target and every process it starts: the start-up hook patches
-# torch.nn.SyncBatchNorm where it is "1" (syncbn_dist/integrations/_bootstrap/sitecustomize.py).
+# "1" in the processes of a ``python -m syncbn_dist.run`` job: integrations/_bootstrap/sitecustomize.py patches there.
 PATCH_TORCH_ENV = "SYNCBN_PATCH_TORCH"
 
 

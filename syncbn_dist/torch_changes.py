@@ -1,18 +1,9 @@
 """Every change syncbn_dist makes to torch's own classes, in one place: what is changed now, and the undo of each.
 
 syncbn_dist changes torch's classes only through :func:`replace` (until :func:`restore`) or :func:`temporarily` (for a
-block), so :func:`changed` always says what differs from torch, and nothing is changed on import:
-
-- on request, :func:`syncbn_dist.patch_torch_sync_batchnorm`: ``torch.nn.SyncBatchNorm``'s forward, converter,
-  DataParallel seams and ``last_transport``, and ``DistributedDataParallel._passing_sync_batchnorm_handle``, until
-  :func:`syncbn_dist.unpatch_torch_sync_batchnorm` (:mod:`syncbn_dist.integrations.torch_patch`);
-- on first use, when the first synchronized layer of the process is made: ``Join.__init__`` and ``Join.__exit__``, so
-  that ``Join([ddp_model])`` finds the model's synchronized layers (:mod:`syncbn_dist.integrations.torch_join`;
-  ``restore_torch_join`` undoes it);
-- for one call: ``CompiledFxGraph.__call__`` while the compiled kernels record their first call
-  (:mod:`syncbn_dist.kernels.direct_call`), and ``DistributedDataParallel._active_ddp_module`` while a compiled
-  kernel compiles or runs inside a DDP forward (:mod:`syncbn_dist.kernels.compiled_kernel`).
-
+block), so :func:`changed` always says what differs from torch. Nothing is changed on import: only on request
+(:func:`syncbn_dist.patch_torch_sync_batchnorm`), when the first synchronized layer is made (:func:`on_first_use`), or
+for one call; each change, and what it buys: docs/design.md, "Private torch APIs and changes to torch's classes".
 This module imports nothing of syncbn_dist, so that every part of it can use it.
 """
 

@@ -17,16 +17,13 @@ from .registry import PLAIN_OF, class_path, find_conversion
 
 __all__ = ["convert_model", "revert_model"]
 
-# nn.Module's per-instance hook state (forward, pre-forward, backward and state_dict hooks, and their flags), read
-# from torch itself so that every version's set moves with a swapped layer: a hook is part of what a layer computes.
+# nn.Module's per-instance hook state, read from torch (every version's): hooks are part of what a layer computes.
 _HOOK_STATE = tuple(name for name in vars(nn.Module()) if "hook" in name)
 
-# Set on every layer convert_model builds: (original class, the names of the original's instance attributes), so that
-# revert_model rebuilds that class with the same attributes and drops only what synchronization added.
+# (original class, names of its instance attributes), set by convert_model: revert_model rebuilds that class with them.
 _SOURCE = "_syncbn_source"
 
-# What a strict refusal tells the user to do, for converting (convert_model and the patched torch converter) and for
-# reverting.
+# What a strict refusal tells the user to do.
 HOW_OUT_OF_CONVERSION = (
     "Either register a synchronized equivalent that computes the same forward, "
     "syncbn_dist.register_conversion(TheClass, to_sync=TheSyncClass) with TheSyncClass a subclass of "
@@ -40,10 +37,7 @@ _HOW_OUT_OF_REVERSION = (
 
 
 def _rebuild(old: nn.Module, new_cls: type[nn.Module], **kwargs: Any) -> nn.Module:
-    """A ``new_cls`` layer that owns the very same parameter and buffer tensors, settings and hooks as ``old``.
-
-    The hook dictionaries are ``old``'s own objects, so a handle from ``old.register_*_hook`` still removes its hook.
-    """
+    """A ``new_cls`` layer owning ``old``'s very tensors, settings and hook dictionaries (so its hook handles work)."""
     new = new_cls(
         old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats, device="meta", **kwargs
     )
@@ -57,8 +51,7 @@ def _rebuild(old: nn.Module, new_cls: type[nn.Module], **kwargs: Any) -> nn.Modu
     if hasattr(old, "qconfig"):
         new.qconfig = old.qconfig
     if parametrize.is_parametrized(old):
-        # The same ParametrizationLists (their `original` tensors are the state), and the properties that compute
-        # the parametrized tensors from them, injected as torch.nn.utils.parametrize.register_parametrization does.
+        # The same ParametrizationLists (the state), with their properties injected as register_parametrization does.
         new._modules["parametrizations"] = old._modules["parametrizations"]
         parametrize._inject_new_class(new)
         for tensor_name in old._modules["parametrizations"]:
@@ -135,12 +128,8 @@ def _swap(
     module: nn.Module, classify: Callable[[nn.Module], tuple[str, Any]], build: Callable[..., Optional[nn.Module]],
     strict: bool, verb: str, how_out: str,
 ) -> nn.Module:
-    """Classify every layer first (so a refusal leaves the model untouched), then swap; returns the new root. ``verb``
-    names the caller in messages, ``how_out`` says what to do in a refusal.
-
-    Every place a module is registered is visited (``named_children`` would skip a second slot of the same parent
-    holding the same layer), and a layer registered in several places becomes one new layer, shared the same way.
-    """
+    """Classify every layer first (so a refusal leaves the model untouched), then swap in every slot a module is
+    registered in (``named_children`` would skip a second slot holding the same layer); returns the new root."""
     unknown: list[str] = []
     _visit(module, "", classify, set(), unknown)
     if unknown:
@@ -202,32 +191,19 @@ def _swapped(
 def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, strict: bool = True) -> nn.Module:
     """Replace every BatchNorm layer of ``module`` with a synchronized layer that computes the same function, in place.
 
-    The contract: conversion never changes what a layer computes (in one process the converted model's outputs,
-    gradients and running statistics are the original's, bit for bit). Each ``_BatchNorm`` layer at any depth
-    (Sequential, ModuleList, ModuleDict, attributes) is
+    Conversion never changes what a layer computes: in one process the converted model's outputs, gradients and
+    running statistics are the original's, bit for bit. Each ``_BatchNorm`` layer at any depth becomes its
+    synchronized equivalent (``nn.BatchNorm1d/2d/3d`` a :class:`SynchronizedBatchNorm1d/2d/3d`, ``nn.SyncBatchNorm``
+    a :class:`SyncBatchNorm` keeping its process group unless one is given, a model zoo's class or one given to
+    :func:`~syncbn_dist.register_conversion` its registered equivalent); a synchronized layer is kept, so converting
+    twice is a no-op; an unknown subclass is refused. Each class and what it becomes: docs/api/conversion.md, "The
+    conversion contract".
 
-    - **plain**: ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm``, or a subclass that neither defines ``forward``
-      nor owns child modules: becomes :class:`SynchronizedBatchNorm1d/2d/3d`, or for ``nn.SyncBatchNorm``
-      :class:`SyncBatchNorm` (any rank), keeping its process group unless one is given;
-    - **a known family**, matched by import path without importing the package: timm's ``BatchNormAct2d`` and
-      ``SyncBatchNormAct`` (their ``act`` and ``drop`` children move along), mmengine/mmcv ``_BatchNormXd``,
-      detectron2 ``NaiveSyncBatchNorm`` (see :mod:`syncbn_dist.families`), or a class registered with
-      :func:`~syncbn_dist.register_conversion`; a subclass of one that does not define ``forward`` too;
-    - **already synchronized** (a :class:`SyncBatchNorm`): kept, so converting twice is a no-op;
-    - **unknown**, any other subclass with its own ``forward`` or children: ``TypeError`` (nothing is converted),
-      or with ``strict=False`` left as it is, with a ``UserWarning`` that lists it.
-
-    The new layers own the same parameter and buffer tensors (values, requires_grad, device, dtype, and the
-    optimizer's references survive), the same eps, momentum (None included), affine, track_running_stats, training
-    flag, qconfig and other instance attributes, a family's child modules, so ``state_dict()`` keys are unchanged,
-    and the layer's forward, pre-forward, backward and state_dict hooks (the handles that registered them still
-    remove them), and its parametrizations (``torch.nn.utils.parametrize``; pruning's masks and hooks too). A layer
-    registered in several places becomes one synchronized layer, shared the same way.
-    InstanceNorm and other relatives are left alone, and so is LazyBatchNorm until its first forward (with a
-    ``UserWarning`` naming it: it would otherwise stay unsynchronized without a word). Mirrors
-    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``, which instead turns every subclass into a plain
-    ``nn.SyncBatchNorm`` (dropping a norm+act layer's activation), drops the layer's hooks, and leaves a second
-    slot of the same parent holding the same layer unconverted.
+    The new layers own the same parameter and buffer tensors (an optimizer's references survive), settings, instance
+    attributes, a family's child modules (so ``state_dict()`` keys are unchanged), hooks (their handles still remove
+    them) and parametrizations. A layer registered in several places becomes one synchronized layer, shared the same
+    way. LazyBatchNorm is left alone until its first forward, with a ``UserWarning`` naming it. Unlike
+    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``, it keeps a norm+act layer's activation and the layers' hooks.
 
     Args:
         module: a model, a single BatchNorm layer, or an ``nn.DataParallel``.
@@ -303,13 +279,10 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, str
 def revert_model(module: nn.Module, *, strict: bool = True) -> nn.Module:
     """Replace every synchronized layer of ``module`` with a plain one, in place: the inverse of convert.
 
-    A layer built by :func:`convert_model` becomes an instance of its original class again (``nn.BatchNorm2d``,
-    timm's ``BatchNormAct2d``, a registered class, ...), with the same tensors, child modules and instance
-    attributes, without calling that class's ``__init__``, so ``state_dict()`` is identical before and after a
-    convert/revert round trip. A layer built synchronized (e.g. under :func:`patch_sync_batchnorm`) becomes its
-    torch counterpart: :class:`SynchronizedBatchNorm1d/2d/3d` become ``nn.BatchNorm1d/2d/3d``, the rank-agnostic
-    :class:`SyncBatchNorm` becomes ``nn.SyncBatchNorm`` (which, like any BatchNorm, never communicates in eval mode).
-    Use it for single-device inference or export.
+    A layer built by :func:`convert_model` becomes an instance of its original class again, with the same tensors,
+    child modules and instance attributes (``__init__`` is not called), so ``state_dict()`` survives a round trip. A
+    layer built synchronized (e.g. under :func:`patch_sync_batchnorm`) becomes its torch counterpart:
+    ``nn.BatchNorm1d/2d/3d``, or ``nn.SyncBatchNorm`` for :class:`SyncBatchNorm`. For single-device inference or export.
 
     Args:
         module: a model, a single synchronized layer, or a DataParallel wrapper (its module is reverted and

@@ -20,11 +20,8 @@ __all__ = [
 
 
 class CallbackContext:
-    """Shared by the replicas of one original submodule during a replication (e.g. holds its SyncMaster).
-
-    ``replication`` is shared by every context of the same replication, so the exchanges of all its layers
-    fail together (see :class:`~syncbn_dist.comm.replica.Replication`).
-    """
+    """Shared by the replicas of one original submodule during a replication (e.g. holds its SyncMaster); its
+    ``replication`` by every context of that replication, whose exchanges fail together."""
 
     def __init__(self, replication: Optional[Replication] = None) -> None:
         self.replication = replication
@@ -35,10 +32,9 @@ def execute_replication_callbacks(replicas: Sequence[nn.Module]) -> None:
 
     Replica 0 is the master copy. Submodules at the same position in ``modules()`` order across replicas
     share one :class:`CallbackContext`, so the master (copy_id 0, called first) can leave its
-    :class:`~syncbn_dist.comm.SyncMaster` there for the slaves. Works for replicas on any device, CPU
-    included, and for replicas that are later run in ordinary threads or ``torch.nn.parallel.parallel_apply``:
-    a synchronized layer that raises wakes every replica waiting at any synchronized layer of the same
-    replication (each raises ``ReplicaSyncError`` naming the failing replica and layer).
+    :class:`~syncbn_dist.comm.SyncMaster` there for the slaves. For replicas on any device, run by any runner: a
+    synchronized layer that raises makes every peer of the replication raise ``ReplicaSyncError`` naming it
+    (docs/design.md, "The DataParallel exchange").
 
     Args:
         replicas: the replica modules, all structurally identical, replica 0 first.
@@ -85,11 +81,7 @@ class _AbortPeersOnError:
 
 
 def _replicate_on_cpu(module: nn.Module, num_replicas: int) -> list[nn.Module]:
-    """Shallow replicas of ``module`` that alias its parameters and buffers, as nn.DataParallel's do.
-
-    Gradients of every replica accumulate into the original parameters; running statistics written by the
-    master replica land in the original buffers.
-    """
+    """Shallow replicas of ``module`` that alias its parameters and buffers, as nn.DataParallel's do."""
     originals = list(module.modules())
     index = {id(m): i for i, m in enumerate(originals)}
     replicas = []
@@ -104,10 +96,8 @@ def _replicate_on_cpu(module: nn.Module, num_replicas: int) -> list[nn.Module]:
 
 
 def _scatter(obj: Any, num_chunks: int, dim: int) -> list[Any]:
-    """Split tensors along ``dim`` like nn.DataParallel's scatter (chunk sizes ceil(N / num_chunks)).
-
-    Non-tensor leaves are repeated. May return fewer than ``num_chunks`` parts for a small batch.
-    """
+    """Split tensors along ``dim`` like nn.DataParallel's scatter, repeating other leaves; fewer than ``num_chunks``
+    parts for a small batch."""
     if isinstance(obj, Tensor):
         return list(obj.chunk(num_chunks, dim))
     if isinstance(obj, (list, tuple)) and obj:
@@ -142,13 +132,9 @@ def _gather(outputs: Sequence[Any], dim: int) -> Any:
 
 
 def _refuse_functorch_transforms(inputs: Any, kwargs: Any) -> None:
-    """Raise if the replicas' inputs belong to a ``torch.func`` transform (jvp, grad, vjp, vmap).
+    """Raise ``RuntimeError`` if the replicas' inputs belong to a ``torch.func`` transform (jvp, grad, vjp, vmap).
 
-    The transform's state is per thread: replicas running in other threads see its tensors outside it, so their
-    tangents and gradients would be dropped without a word (a wrong jvp, not an error).
-
-    Raises:
-        RuntimeError: naming the transform's limit and what works instead.
+    The transform's state is per thread: replicas in other threads would drop its tangents without a word.
     """
     leaves = torch.utils._pytree.tree_leaves((inputs, kwargs))
     if any(isinstance(leaf, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(leaf) for leaf in leaves):
@@ -162,19 +148,16 @@ def _refuse_functorch_transforms(inputs: Any, kwargs: Any) -> None:
 class DataParallelWithCallback(nn.DataParallel):
     """``nn.DataParallel`` whose replicate step runs the replication callbacks.
 
-    Synchronized layers use the callbacks to build their in-process master/slave exchange, so their
-    statistics cover the whole batch of the DataParallel call (and of every process, if
-    ``torch.distributed`` is initialized too). A replica that raises wakes its peers at once, so a failure
-    never leaves threads blocked.
+    Synchronized layers use the callbacks to build their in-process exchange, so their statistics cover the whole
+    batch of the call (and of every process, under ``torch.distributed`` too). A replica that raises wakes its peers.
 
     Args:
         module: the module to parallelize.
         device_ids: CUDA devices. Default: all visible devices.
         output_device: where outputs are gathered. Default: ``device_ids[0]``.
         dim: the batch dimension to scatter along. Default: 0
-        cpu_replicas: run this many replicas of a CPU module in threads instead of using CUDA devices.
-            It exists for testing and parity (e.g. exercising DataParallel training code in CI without a
-            GPU), not for speed: the replicas share two cores' worth of kernels. Default: ``None``
+        cpu_replicas: run this many replicas of a CPU module in threads instead of using CUDA devices, for
+            testing and parity (DataParallel training code in CI without a GPU), not for speed. Default: ``None``
 
     Raises:
         ValueError: if ``cpu_replicas`` is not a positive integer.
@@ -220,6 +203,7 @@ class DataParallelWithCallback(nn.DataParallel):
 
         Raises:
             RuntimeError: inside a ``torch.func`` transform (see :func:`_refuse_functorch_transforms`).
+            ValueError: with ``cpu_replicas``, for a module with a parameter or buffer off the CPU.
         """
         _refuse_functorch_transforms(inputs, kwargs)
         if self.cpu_replicas is None:

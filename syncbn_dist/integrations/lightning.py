@@ -34,14 +34,10 @@ def _layer_sync_bases() -> tuple[type, ...]:
 class SyncBatchNormPlugin(*_layer_sync_bases()):  # type: ignore[misc]
     """A Lightning ``LayerSync`` whose ``apply`` is :func:`~syncbn_dist.convert_model`, ``revert`` :func:`revert_model`.
 
-    Lightning's own ``Trainer(sync_batchnorm=True)`` uses ``torch.nn.SyncBatchNorm``, which raises "SyncBatchNorm
-    layers only work with GPU modules" on CPU and drops timm's norm+act activations; this plugin gives the exact
-    global-batch statistics of syncbn_dist on gloo (CPU) and nccl (GPU), keeps the model zoos' layers' function (see
-    :func:`~syncbn_dist.convert_model`), and after ``fit`` returns every layer to its original class.
-
-    The DDP and FSDP strategies call ``apply`` when fitting starts, after the process group exists and before the
-    model is wrapped, and ``revert`` when fitting ends. Pass it in ``plugins`` instead of ``sync_batchnorm=True``
-    (Lightning refuses both at once)::
+    Where Lightning's own ``Trainer(sync_batchnorm=True)`` builds ``torch.nn.SyncBatchNorm`` (GPU only, timm's
+    activations dropped), this plugin synchronizes on gloo and nccl, keeps what each layer computes, and after ``fit``
+    returns every layer to its original class. The DDP and FSDP strategies call ``apply`` before wrapping the model
+    and ``revert`` when fitting ends. Pass it instead of ``sync_batchnorm=True`` (Lightning refuses both)::
 
         from syncbn_dist.lightning import SyncBatchNormPlugin
         trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", plugins=[SyncBatchNormPlugin()])

@@ -1,9 +1,7 @@
 """Which BatchNorm classes convert_model may synchronize, and into what: the registry behind the conversion contract.
 
-A ``_BatchNorm`` layer is converted only if its class, or a base class reached without passing a class of its own
-``forward``, is registered here: by the class object, or by its import path (``module.QualName``) so that model zoos
-(timm, mmengine, detectron2) are matched without importing them. Everything else is unknown and convert_model
-refuses it (see :func:`syncbn_dist.convert_model`).
+Classes are registered by object, or by import path (``module.QualName``) so that model zoos are matched without
+importing them; the contract is in docs/api/conversion.md.
 """
 
 from __future__ import annotations
@@ -21,9 +19,8 @@ __all__ = ["register_conversion"]
 class Conversion(NamedTuple):
     """A registry entry: the synchronized class a layer becomes, and whether the layer may own child modules.
 
-    ``moves_children`` is False for torch's own classes, whose forward uses no child module: a subclass that owns
-    children does something BatchNorm does not, so it is unknown. Registered families keep their children (a norm+act
-    layer's ``act`` and ``drop``), which move to the synchronized layer unchanged.
+    ``moves_children`` is False for torch's own classes, whose forward uses no child: a subclass with children does
+    more than BatchNorm.
     """
 
     to_sync: type[SyncBatchNorm]
@@ -57,26 +54,14 @@ def class_path(cls: type) -> str:
 def register_conversion(cls: Union[type[nn.Module], str], to_sync: type[SyncBatchNorm]) -> None:
     """Teach :func:`~syncbn_dist.convert_model` to synchronize ``cls`` layers as ``to_sync`` layers.
 
-    For a BatchNorm subclass with its own ``forward`` or child modules, which convert_model otherwise refuses
-    (``TypeError``) because replacing it by a plain synchronized layer would change what the model computes.
-    ``to_sync`` is a subclass of :class:`~syncbn_dist.SyncBatchNorm` (or of ``SynchronizedBatchNorm1d/2d/3d``)
-    whose ``forward`` computes what ``cls.forward`` computes, with the synchronized normalization in place of the
-    local one, usually ``super().forward(x)`` followed by the extra steps. Conversion builds a ``to_sync`` layer
-    through ``SyncBatchNorm.__init__`` and then gives it the original layer's parameter and buffer tensors (the same
-    objects), its child modules, and every instance attribute ``to_sync`` does not set itself; so ``to_sync.forward``
-    can use them by the original names, and ``state_dict()`` keys are unchanged. :func:`~syncbn_dist.revert_model`
-    returns the layer to its original class with the same tensors, children and attributes, without calling the
-    original ``__init__``. Subclasses of ``cls`` that do not define their own ``forward`` are converted the same way;
-    a subclass that does is unknown again. A second registration of the same class replaces the first.
-
-    Example::
-
-        class SyncBatchNormSquare2d(syncbn_dist.SynchronizedBatchNorm2d):
-            def forward(self, x):
-                return super().forward(x).square()    # what BatchNormSquare2d.forward adds to nn.BatchNorm2d
-
-        syncbn_dist.register_conversion(BatchNormSquare2d, to_sync=SyncBatchNormSquare2d)
-        model = syncbn_dist.convert_model(model)
+    For a BatchNorm subclass with its own ``forward`` or child modules, which convert_model otherwise refuses.
+    ``to_sync.forward`` computes what ``cls.forward`` computes with the synchronized normalization in place of the
+    local one, usually ``super().forward(x)`` followed by the extra steps. The converted layer is built through
+    ``SyncBatchNorm.__init__``, then given the original's tensors, child modules and every instance attribute
+    ``to_sync`` does not set itself, so ``to_sync.forward`` can use them by their names and ``state_dict()`` keys are
+    unchanged; :func:`~syncbn_dist.revert_model` gives the original class back. Subclasses of ``cls`` without a
+    ``forward`` of their own convert the same way. A second registration of the same class replaces the first. An
+    example: docs/api/conversion.md, "The conversion contract".
 
     Args:
         cls: a subclass of ``torch.nn.modules.batchnorm._BatchNorm`` (``nn.BatchNorm1d/2d/3d``,
@@ -104,14 +89,8 @@ def register_conversion(cls: Union[type[nn.Module], str], to_sync: type[SyncBatc
 
 
 def find_conversion(cls: type) -> tuple[Optional[Conversion], Optional[type]]:
-    """The registry entry for ``cls`` along its MRO, or ``(None, class)`` naming the first class with a forward.
-
-    Walks ``cls.__mro__`` from ``cls`` up: a registered class (by object, then by path) ends the walk with its
-    entry; a class that defines ``forward`` before any registered one makes ``cls`` unknown.
-
-    Returns:
-        ``(entry, None)`` when found; ``(None, owner)`` when ``owner`` is the class whose ``forward`` is unknown.
-    """
+    """``(entry, None)`` for the first registered class along ``cls.__mro__``, or ``(None, owner)`` where ``owner``,
+    the first class with a ``forward`` of its own, comes before any registered one."""
     for base in cls.__mro__:
         entry = _BY_CLASS.get(base) or _BY_PATH.get(class_path(base))
         if entry is not None:

@@ -9,10 +9,8 @@ Usage::
 It calls :func:`syncbn_dist.patch_torch_sync_batchnorm`, then runs the target as Python would: ``__name__ ==
 "__main__"``, ``sys.argv`` = ``[target, *ARGS]`` (the module's file for ``-m``), ``sys.path[0]`` the script's directory
 (the working directory for ``-m``), and the target's exit status and exceptions pass through unchanged (``sys.exit(3)``
-exits 3). Processes the target starts inherit the patch: it sets ``SYNCBN_PATCH_TORCH=1`` and puts syncbn_dist's
-start-up hook (a ``sitecustomize``, which runs any ``sitecustomize`` it shadows) first on ``PYTHONPATH``, so Lightning's
-DDP launcher (which re-runs the command), ``torch.multiprocessing`` spawn and other Python subprocesses patch at
-start-up. Interpreters started with ``-E`` or ``-I`` ignore ``PYTHONPATH`` and are not patched.
+exits 3). Python processes the target starts inherit the patch (Lightning's DDP launcher, ``torch.multiprocessing``
+spawn), but not those started with ``-E`` or ``-I`` (how: docs/frameworks.md, "How to undo it").
 
 Exit status 2, with the usage on stderr, when no target is given.
 """

@@ -1,18 +1,9 @@
 """patch_torch_sync_batchnorm: every ``torch.nn.SyncBatchNorm`` of the process synchronizes through syncbn_dist.
 
-The one place where syncbn_dist reaches into torch's classes. It replaces a few attributes of ``torch.nn.SyncBatchNorm``
-(``forward``, ``convert_sync_batchnorm``, and the DataParallel seams ``_replicate_for_data_parallel`` and
-``__data_parallel_replicate__``, plus a read-only ``last_transport``) and DistributedDataParallel's
-``_passing_sync_batchnorm_handle`` (which refuses CPU modules holding a SyncBatchNorm), in place, so that layers built
-before the patch, and subclasses defined before it (timm's ``SyncBatchNormAct``, whose forward calls
-``super().forward``), are reached too. :func:`unpatch_torch_sync_batchnorm` puts torch's own attributes back, the very
-same objects.
-
-The statistics are syncbn_dist's: a patched layer's forward runs :class:`~syncbn_dist.SyncBatchNorm`'s forward on the
-layer's own state (``__dict__``), through a view object that shares that dictionary, so transport selection,
-agreement checks, DataParallel replicas and activation-checkpoint recomputation are the same code as for syncbn_dist's
-own layers. What the layer needs beyond torch's attributes (the transport record, the verified process groups) is
-added to its ``__dict__`` on first use, and replicas share it as they share a syncbn_dist layer's.
+The one place where syncbn_dist reaches into torch's classes: it replaces a few attributes of torch's classes in place,
+reversibly (the list, and why layers and subclasses made before the patch are reached: docs/frameworks.md, "What the
+patch changes"). A patched layer runs :class:`~syncbn_dist.SyncBatchNorm`'s forward on its own ``__dict__``, through
+:class:`_TorchLayerView`, so every path of the layer is the same code as for syncbn_dist's own layers.
 """
 
 from __future__ import annotations
@@ -39,8 +30,7 @@ __all__ = [
     "unpatch_torch_sync_batchnorm",
 ]
 
-# Subclasses of torch.nn.SyncBatchNorm from model zoos whose forward runs torch's forward (super().forward) and then
-# more steps: matched by import path, as syncbn_dist.families does, without importing the package.
+# Model zoos' subclasses whose forward calls super().forward, matched by import path (nothing is imported).
 _KNOWN_SUBCLASSES = frozenset(
     {"timm.layers.norm_act.SyncBatchNormAct", "timm.models.layers.norm_act.SyncBatchNormAct"}
 )
@@ -55,11 +45,9 @@ _strict = True
 class SyncBatchNormAct(_NormActForward, nn.SyncBatchNorm):
     """``torch.nn.SyncBatchNorm`` followed by ``drop`` and ``act`` when present: timm's ``SyncBatchNormAct``.
 
-    What ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` builds from a timm ``BatchNormAct2d`` while
-    :func:`patch_torch_sync_batchnorm` is on, instead of torch's plain ``nn.SyncBatchNorm`` (which keeps ``act`` and
-    ``drop`` as children but never calls them). The normalization is the patched ``nn.SyncBatchNorm.forward`` (Ioffe &
-    Szegedy 2015, arXiv:1502.03167, over the global batch); ``isinstance(layer, torch.nn.SyncBatchNorm)`` holds, and
-    the state_dict keys are the original layer's.
+    What the patched ``convert_sync_batchnorm`` builds from a timm ``BatchNormAct2d``, where torch's builds a plain
+    ``nn.SyncBatchNorm`` that never calls ``act`` and ``drop``. The normalization is the patched forward (Ioffe &
+    Szegedy 2015, arXiv:1502.03167, over the global batch); the state_dict keys are the original layer's.
 
     Shape:
         - Input: (N, C, *); Output: what ``act`` returns, (N, C, *) for timm's activations.
@@ -67,12 +55,8 @@ class SyncBatchNormAct(_NormActForward, nn.SyncBatchNorm):
 
 
 class _TorchLayerView(SyncBatchNorm):
-    """syncbn_dist's SyncBatchNorm methods on a ``torch.nn.SyncBatchNorm`` layer's own ``__dict__`` (see the module).
-
-    Built per call by :func:`_view`, never with ``__init__``: its attributes, tensors and the buffers it updates are
-    the layer's. Input checks are the layer class's own (``_check_input_dim``, torch's non-zero channel check), and an
-    attribute that only the layer's class provides (a parametrized ``weight``, a property) is read from the layer.
-    """
+    """syncbn_dist's SyncBatchNorm methods on a ``torch.nn.SyncBatchNorm`` layer's ``__dict__``, made by :func:`_view`;
+    what only the layer's class provides (a parametrized ``weight``, a property, the input checks) comes from it."""
 
     __slots__ = ("_layer",)
     # torch's layers normalize by var + eps: set_sbn_eps_mode("clip") is for syncbn_dist's classes only.
@@ -102,9 +86,8 @@ def _view(layer: nn.SyncBatchNorm) -> _TorchLayerView:
     """A :class:`_TorchLayerView` sharing ``layer.__dict__``, after adding syncbn_dist's per-layer state to it."""
     state = layer.__dict__
     if "_transport_record" not in state:
-        # A one-element list, shared by DataParallel replicas (shallow copies of __dict__), as SyncBatchNorm.__init__
-        # creates it. The agreement record is made eagerly when first needed (comm.agreement.agreement_of): this may
-        # run in code torch.compile traces.
+        # Shared by DataParallel replicas (shallow copies of __dict__), as SyncBatchNorm.__init__ makes it. This may
+        # run in code torch.compile traces: the agreement record is made where first needed (agreement_of).
         state["_transport_record"] = [None]
     view = object.__new__(_TorchLayerView)
     object.__setattr__(view, "__dict__", state)
@@ -113,22 +96,8 @@ def _view(layer: nn.SyncBatchNorm) -> _TorchLayerView:
 
 
 def _forward(self: nn.SyncBatchNorm, input: Tensor) -> Tensor:
-    """Normalize ``input`` (N, C, *) with local, process-group or replica-wide statistics: syncbn_dist's forward.
-
-    The patched ``torch.nn.SyncBatchNorm.forward``. In eval mode, or with no peers, it is torch's forward bit for bit
-    (``F.batch_norm``); in training over a process group of more than one member it is
-    :func:`syncbn_dist.layer.functions.sync_batch_norm` on any device gloo or nccl serves (torch's own raises on CPU).
-
-    Returns:
-        Tensor of the input's shape, dtype and memory format.
-
-    Raises:
-        ValueError: input of fewer than 2 dimensions, 0 channels, ``C != num_features``, a global count of 1 value
-            per channel in training, or a ``process_group`` this rank is not a member of.
-        TypeError: a non-floating input.
-        LayerMismatchError: members of the group are at different layers or collectives (see SyncBatchNorm.forward).
-        ReplicaSyncError: a DataParallel peer replica failed or did not arrive in time.
-    """
+    """The patched ``torch.nn.SyncBatchNorm.forward``: :meth:`syncbn_dist.SyncBatchNorm.forward` on this layer (torch's
+    bit for bit in eval mode or with no peers), raising what it raises (docs/api/errors.md)."""
     return _view(self).forward(input)
 
 
@@ -149,11 +118,7 @@ def _last_transport(self: nn.SyncBatchNorm) -> Optional[str]:
 
 
 def _classify(module: nn.Module) -> tuple[str, Any]:
-    """What the patched convert_sync_batchnorm does with ``module``: "keep", "sync" (with a target), "unknown", "other".
-
-    torch's converter makes every ``_BatchNorm`` a plain ``nn.SyncBatchNorm``; this one keeps what the layer computes,
-    as :func:`syncbn_dist.convert_model` does, and builds ``torch.nn.SyncBatchNorm`` instances where it can.
-    """
+    """The patched converter's verdict on ``module``: "keep", "sync" (with a target), "unknown" or "other"."""
     if isinstance(module, (nn.SyncBatchNorm, SyncBatchNorm)):
         return "keep", None
     if not isinstance(module, _BatchNorm) or isinstance(module, LazyModuleMixin):
@@ -174,13 +139,8 @@ def _convert_sync_batchnorm(
     """Convert every BatchNorm layer of ``module`` to ``torch.nn.SyncBatchNorm``, keeping what each layer computes.
 
     The patched ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``: torch's signature and return value, the conversion
-    contract of :func:`syncbn_dist.convert_model`. Plain layers (``nn.BatchNorm1d/2d/3d``, mmengine's
-    ``_BatchNormXd``, detectron2's ``NaiveSyncBatchNorm``, subclasses without a forward of their own) become
-    ``torch.nn.SyncBatchNorm``; timm's ``BatchNormAct2d`` becomes :class:`SyncBatchNormAct` (its ``act`` and ``drop``
-    kept and applied); a class given to :func:`~syncbn_dist.register_conversion` becomes its registered equivalent.
-    Each new layer owns the original's parameter and buffer tensors, attributes, hooks and parametrizations. Layers
-    that are already ``torch.nn.SyncBatchNorm`` (any subclass) are kept and get ``process_group``, as torch's
-    converter gives them; syncbn_dist's own layers are kept. An uninitialized LazyBatchNorm is left alone.
+    contract of :func:`syncbn_dist.convert_model` (docs/frameworks.md, "What the patch changes"). Layers that are
+    already ``torch.nn.SyncBatchNorm`` get ``process_group``, as torch's converter gives them.
 
     Args:
         module: a model or a single BatchNorm layer.
@@ -261,11 +221,8 @@ def _check_reached(classes: list[type], where: str, strict: bool) -> None:
 
 
 def _passing_sync_batchnorm_handle(self: DistributedDataParallel, module: nn.Module) -> None:
-    """DDP's check of SyncBatchNorm layers, patched: CPU modules are accepted (syncbn_dist synchronizes on gloo).
-
-    Layers whose class keeps them from the patched forward (a subclass defined after the patch) are refused here,
-    where torch refused CPU modules, or named in a warning if the patch was made with ``strict=False``.
-    """
+    """DDP's check of SyncBatchNorm layers, patched: CPU modules are accepted; classes the patched forward does not
+    reach (defined after the patch) are refused, or named in a warning under ``strict=False``."""
     classes = {type(m) for m in module.modules() if isinstance(m, nn.SyncBatchNorm)}
     _check_reached(sorted(classes, key=class_path), "DistributedDataParallel", _strict)
 
@@ -300,41 +257,25 @@ class _Patch:
 def patch_torch_sync_batchnorm(*, strict: bool = True) -> _Patch:
     """Make every ``torch.nn.SyncBatchNorm`` layer of this process synchronize through syncbn_dist, on CPU and GPU.
 
-    For frameworks that build ``torch.nn.SyncBatchNorm`` themselves (mmengine/mmdet/mmseg ``norm_cfg=dict(type=
-    'SyncBN')``, timm's ``convert_sync_batchnorm``, Lightning's ``Trainer(sync_batchnorm=True)``, detectron2's
-    ``get_norm("SyncBN")``, ``nn.SyncBatchNorm(...)`` in model code). Call it once at the top of a training script;
-    ``python -m syncbn_dist.run train.py`` calls it for you (and for the processes the script starts). It changes, in
-    place and reversibly:
-
-    - ``torch.nn.SyncBatchNorm.forward``: syncbn_dist's (see :class:`~syncbn_dist.SyncBatchNorm`): exact float64
-      ``[count, sum, sumsq]`` statistics in one all_reduce per direction, on gloo (CPU) and nccl (GPU), over
-      ``process_group`` (None: the world), uneven and empty shards, DataParallel replicas of
-      :class:`~syncbn_dist.DataParallelWithCallback`. In eval mode and without peers it computes what torch's
-      forward computes, bit for bit (torch's raises on CPU inputs whenever a process group is initialized).
-      Layers built before the call, and subclasses defined before it whose forward calls ``super().forward`` (timm's
-      ``SyncBatchNormAct``), synchronize too; a layer's tensors and state are untouched.
-    - ``torch.nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group=None)``: returns ``torch.nn.SyncBatchNorm``
-      layers as torch's does, but keeps what each layer computes, as :func:`~syncbn_dist.convert_model` does (hooks,
-      parametrizations, timm's norm+act layers; unknown subclasses refused with ``TypeError``).
-    - ``DistributedDataParallel`` accepts CPU modules holding ``torch.nn.SyncBatchNorm`` (torch raises "SyncBatchNorm
-      layers only work with GPU modules").
-    - ``torch.nn.SyncBatchNorm`` gains ``last_transport`` and the DataParallel replication callback.
-
-    ``isinstance(layer, torch.nn.SyncBatchNorm)``, the state_dict keys and the constructor are torch's. Calling it
-    again is a no-op (``strict`` is updated); :func:`unpatch_torch_sync_batchnorm` restores torch's exact attributes.
-    The return value is a context manager that restores the state from before the call when its block ends, also on
-    an exception::
+    For frameworks that build ``torch.nn.SyncBatchNorm`` themselves (mmengine, timm, Lightning, detectron2: see
+    docs/frameworks.md). Call it once at the top of a training script; ``python -m syncbn_dist.run train.py`` calls
+    it for you (and for the processes the script starts). In place and reversibly, torch's forward becomes
+    :class:`~syncbn_dist.SyncBatchNorm`'s (in eval mode and without peers torch's computation, bit for bit), its
+    ``convert_sync_batchnorm`` keeps what each layer computes, as :func:`~syncbn_dist.convert_model` does, and
+    ``DistributedDataParallel`` accepts CPU modules (every change: docs/frameworks.md, "What the patch changes").
+    Layers built before the call, and subclasses whose forward calls ``super().forward``, are reached too. Calling
+    it again is a no-op (``strict`` is updated). The return value is a context manager that restores the state from
+    before the call when its block ends, also on an exception::
 
         syncbn_dist.patch_torch_sync_batchnorm()          # for the rest of the process
         with syncbn_dist.patch_torch_sync_batchnorm():    # for the block only
             trainer.fit(model)
 
     Args:
-        strict: if True (the default), a subclass of ``torch.nn.SyncBatchNorm`` whose own ``forward`` does not call
-            ``super().forward`` (so the patch cannot reach it; read from the function's bytecode names), other than
-            the known model-zoo classes, raises ``TypeError`` here, for the subclasses defined now, and in
-            ``DistributedDataParallel(...)`` for classes defined later; if False, a ``UserWarning`` names them and
-            they keep their own forward.
+        strict: if True (the default), a ``torch.nn.SyncBatchNorm`` subclass whose own ``forward`` does not call
+            ``super().forward`` (read from its bytecode names), other than the known model-zoo classes, raises
+            ``TypeError``: here for the classes defined now, in ``DistributedDataParallel(...)`` for later ones. If
+            False, a ``UserWarning`` names them and they keep their own forward.
 
     Returns:
         A context manager; leaving it unpatches if this call patched.

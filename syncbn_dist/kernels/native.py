@@ -1,10 +1,8 @@
 """The native kernels: the synchronized layer's per-element work as torch's own batch-norm ops.
 
-The ``"native"`` kernel set (:func:`syncbn_dist.set_kernels`) and every call the compiled kernels do not serve
-(forward-mode AD, ``backward(create_graph=True)``, shards of at most one value per channel, dispatch modes) run
-these: the inference-mode batch norm for the normalization, the inference-mode backward for the local reductions
-and ``grad_input`` on CPU, and on CUDA the kernels ``torch.nn.SyncBatchNorm`` uses. Each op is one of torch's
-native kernels, so a layer costs few dispatches; the statistics they take come from :mod:`syncbn_dist.statistics`.
+The ``"native"`` kernel set (:func:`syncbn_dist.set_kernels`), and every call the compiled kernels do not serve: the
+inference-mode batch norm and its backward on CPU, the kernels ``torch.nn.SyncBatchNorm`` uses on CUDA. The two
+regimes and their bytes per element: docs/design.md, "Bytes per activation element".
 """
 
 from __future__ import annotations
@@ -17,28 +15,23 @@ from torch import Tensor
 from .statistics import COMBINE_DTYPE, invstd_and_scale, payload_of
 from .tracing import is_compiling
 
-# CPU's batch-norm backward, which takes "running" statistics in inference mode (eval: no batch statistics): the
-# overload's C++ callable where torch exposes it (what OpOverload.__call__ calls, without its Python frame).
+# CPU's batch-norm backward (in inference mode it takes given statistics): the overload's C++ callable where torch
+# exposes it (what OpOverload.__call__ calls, without its Python frame).
 _overload = torch.ops.aten.native_batch_norm_backward.default
 _NATIVE_BATCH_NORM_BACKWARD = getattr(_overload, "_op", _overload)
 
 
-# Eager CPU float32/float64 activations of at least this many elements (1 MiB of float32) take the memory-lean
-# path (44 B/elem on contiguous NCHW float32 at 42 ops per layer, 56 B/elem at 34 ops elsewhere) and the rest the
-# op-lean path (68 B/elem, 27 ops): latency, not bandwidth, bounds a small layer. The measured crossover (1 thread,
-# both paths interleaved in one process, other work on the machine): lean / op-lean time 1.07 at 100,352 elements,
-# 0.82 at 200,704, 0.89-0.90 from 401,408 to 1,605,632 (contiguous NCHW, C = 64). See docs/design.md.
+# Eager CPU float32/float64 activations of at least this many elements take the memory-lean path, the rest the
+# op-lean one (the measured crossover: docs/design.md, "Bytes per activation element").
 LEAN_MIN_NUMEL = 1 << 18
 
 
 def local_payload(input: Tensor) -> Tensor:
     """The ``[sum (C), sum of squares (C), count]`` of one shard, as a (2C + 1,) float64 tensor.
 
-    Computed as ``count * [mean, var + mean**2, 1]`` from the native statistics kernel
-    (``torch.batch_norm_update_stats``; ``torch.var_mean`` inside a ``torch.compile`` graph) on a float64 copy
-    of ``input``: the mean and the biased variance come out in float64 for every layout and dtype, so the
-    payload is exact to float64 rounding. Contiguous float32 (N, C, *spatial) inputs in the memory-lean regime
-    skip the copy (:func:`_copy_free_payload`, as exact).
+    ``count * [mean, var + mean**2, 1]`` from the native statistics kernel on a float64 copy of ``input``, exact
+    to float64 rounding; contiguous float32 (N, C, *spatial) inputs in the memory-lean regime skip the copy
+    (:func:`_copy_free_payload`).
 
     Args:
         input: (N, C, *) floating tensor, any memory format; N may be 0.
@@ -69,8 +62,7 @@ def _local_payload(input: Tensor, compiling: bool, tag: Optional[Any] = None) ->
 
 
 def _eager_payload(input: Tensor, count: int, tag: Optional[Any]) -> Tensor:
-    """:func:`local_payload` of a non-empty shard in eager mode (``count`` values per channel): six ops on the
-    op-lean path (the float64 copy, its statistics, and :func:`_payload_of`'s four, written out here)."""
+    """:func:`local_payload` of a non-empty shard in eager mode (``count`` values per channel)."""
     if _lean_regime(input) and input.dtype == torch.float32 and input.is_contiguous() and input.dim() > 2:
         return _copy_free_payload(input, count, tag)
     mean, var = torch.batch_norm_update_stats(input.to(COMBINE_DTYPE), None, None, 0.0)
@@ -83,12 +75,8 @@ def _eager_payload(input: Tensor, count: int, tag: Optional[Any]) -> Tensor:
 
 def _lean_regime(input: Tensor) -> bool:
     """Whether the layer takes the memory-lean path: eager CPU float32/float64 activations of at least
-    ``LEAN_MIN_NUMEL`` elements.
-
-    ``torch.compile`` graphs keep the op-lean path, so that the compiled graph does not depend on the size. float16
-    and bfloat16 keep it too: the lean ``grad_input``'s ``addcmul_`` with a float32 scale made their layer slower
-    (measured 1.25x contiguous, 1.65x channels_last at (32, 64, 28, 28) bfloat16).
-    """
+    ``LEAN_MIN_NUMEL`` elements (never in a compiled graph, which must not depend on the size; why not float16 and
+    bfloat16: docs/design.md, "Bytes per activation element")."""
     return (  # the cheapest test first: this runs on every eager call
         input.numel() >= LEAN_MIN_NUMEL
         and not input.is_cuda
@@ -101,11 +89,9 @@ def _copy_free_payload(input: Tensor, count: int, tag: Optional[Any] = None) -> 
     """:func:`local_payload` of a contiguous float32 CPU (N, C, *spatial) shard without a float64 copy (with ``tag``:
     tagged, see :func:`_local_payload`).
 
-    ``torch.batch_norm_update_stats`` gives the float32 mean ``m`` and the variance ``v`` about ``m`` (accumulated
-    in double on this layout); the eval-mode ``native_batch_norm_backward`` with an expanded ones as ``dy`` gives
-    ``D = sum(x - m)`` (float32 products accumulated in double: exact for the float32 differences). In float64,
-    ``S = n m + D`` and ``sum(x**2) = sum((x - m)**2) + 2 m D + n m**2 = n v + m (S + D)``, so the variance about
-    the exact mean is not lost to the rounding of ``m`` (the combination is Chan et al. 1979, as sums).
+    ``m``, ``v`` from ``batch_norm_update_stats``, ``D = sum(x - m)`` from the eval-mode backward with ones as ``dy``;
+    ``S = n m + D`` and ``sum(x**2) = n v + m (S + D)`` in float64 (derivation: docs/design.md, "Bytes per activation
+    element"; Chan et al. 1979).
     """
     mean, var = torch.batch_norm_update_stats(input, None, None, 0.0)
     one = input.new_ones(())
@@ -122,11 +108,8 @@ def _copy_free_payload(input: Tensor, count: int, tag: Optional[Any] = None) -> 
 
 
 def _like_input(grad_output: Tensor, input: Tensor) -> Tensor:
-    """``grad_output`` in the input's memory format (no copy when they already match).
-
-    The CPU batch-norm backward kernel mis-reduces a channels_last input whose batch stride is not the canonical
-    one (N == 1: strides like (3, 1, 6, 3)) with a grad_output in another layout.
-    """
+    """``grad_output`` in the input's memory format: the CPU batch-norm backward mis-reduces a channels_last input
+    with a non-canonical batch stride (N == 1: strides like (3, 1, 6, 3)) and a grad_output in another layout."""
     if not input.is_contiguous():
         if input.dim() == 4 and input.is_contiguous(memory_format=torch.channels_last):
             return grad_output.contiguous(memory_format=torch.channels_last)
@@ -150,9 +133,8 @@ def _local_reductions(
 ) -> tuple[Tensor, Tensor]:
     """This shard's ``sum(dy)`` and ``sum(dy * x_hat)`` per channel, each (C,) in the statistics dtype.
 
-    ``x_hat = (x - mean) * rsqrt(var + eps)`` with the global statistics; the native inference-mode backward
-    with them as "running" statistics gives exactly ``grad_bias = sum(dy)`` and ``grad_weight = sum(dy * x_hat)``.
-    On CUDA, ``torch.batch_norm_backward_reduce`` (``invstd``: ``rsqrt(var + eps)``, computed here if not given).
+    The native inference-mode backward's ``grad_bias`` and ``grad_weight`` with the global statistics; on CUDA,
+    ``torch.batch_norm_backward_reduce`` (``invstd``: ``rsqrt(var + eps)``, computed here if not given).
     """
     if input.numel() == 0:  # the native kernel divides by the count; an empty shard sums to zero
         # A sum of the (empty) grad_output, not a constant, so that under torch.compile the backward collective
@@ -182,9 +164,7 @@ def _local_reductions(
 
 def _rounds_each_product(input: Tensor) -> bool:
     """Whether torch's CUDA ``batch_norm_backward_reduce`` would round each ``dy * (x - mean)`` to the input dtype
-    before summing: its kernel for (N, C, *) layouts does so for float16/bfloat16 (sums 2e-3 to 4e-3 relative off
-    for bfloat16, 7e-4 for float16, on an H200 with torch 2.11; 1e-7 on float32 copies); its channels-last and 2-D
-    kernel accumulates in float32."""
+    before summing: float16/bfloat16 in (N, C, *) layouts (how far off: docs/design.md, "Mixed precision")."""
     channels_last_kernel = input.dim() == 2 or input.is_contiguous(memory_format=torch.channels_last)
     return input.dtype in (torch.float16, torch.bfloat16) and not channels_last_kernel
 
@@ -205,9 +185,8 @@ def _grad_input(
 
         grad_input = weight * invstd * (dy - sum(dy) / N - x_hat * sum(dy * x_hat) / N)
 
-    with the global count N and the global reductions. ``dy - sum(dy) / N - x_hat * sum(dy * x_hat) / N`` is
-    one native inference-mode batch norm of ``x`` subtracted from ``dy``, and the scaling by
-    ``weight * invstd`` is the native inference-mode backward.
+    with the global count N and reductions: ``dy`` less one inference-mode batch norm of ``x``, scaled by the native
+    inference-mode backward.
 
     Args:
         grad_output: (N, C, *) ``dy``; input: (N, C, *); weight: (C,) or None.
@@ -234,7 +213,6 @@ def _grad_input(
         )
     mean_dy, mean_dy_xhat = _two_sums((reductions / count).to(mean.dtype), input.size(1))
     if clipped is not None:
-        # A clipped channel's invstd does not depend on x: its x_hat term vanishes.
         mean_dy_xhat = mean_dy_xhat.masked_fill(clipped, 0.0)
     if input.numel() >= LEAN_MIN_NUMEL and _lean_regime(input):  # (the first test is _lean_regime's own, inline)
         # dy * scale - scale * (mean_dy + x_hat * mean_dy_xhat): one inference batch norm and one addcmul_.
@@ -290,10 +268,8 @@ def _scaled_grad_and_reductions(
 def _batch_norm_inference(
     input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, var: Tensor, eps: float
 ) -> Tensor:
-    """``(input - mean) * rsqrt(var + eps) * weight + bias`` per channel: one native kernel, any memory format.
-
-    The aten op itself rather than ``F.batch_norm``, whose dispatch allocates a reserve buffer first.
-    """
+    """``(input - mean) * rsqrt(var + eps) * weight + bias`` per channel: one native kernel, any memory format (the
+    aten op: ``F.batch_norm`` allocates a reserve buffer first)."""
     if input.numel() == 0:  # the kernel would lay an empty output out contiguously; keep the input's format
         return torch.empty_like(input)
     return torch._native_batch_norm_legit_no_training(input, weight, bias, mean, var, 0.0, eps)[0]

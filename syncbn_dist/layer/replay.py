@@ -1,22 +1,8 @@
 """The totals a DataParallel replica's forward exchanged, replayed when activation checkpointing recomputes it.
 
-A replica's backward runs in one autograd thread for every replica, where no exchange between them can happen, so a
-recomputation (``torch.utils.checkpoint``) cannot ask the peers again. Each replica records, for every forward call of
-a synchronized layer, its own payload (the ``[sum, sum of squares, count]`` of its shard) beside the global total the
-exchange returned; the recomputation computes its payload again from the same input and replays the total recorded
-with that payload.
-
-Keyed by the payload, not by the order of the calls: backward recomputes checkpointed segments in its own order (the
-last segment first), a call outside any segment is recorded but never recomputed, and a segment can be recomputed
-more than once (``retain_graph``). The payload is a fingerprint of the shard (float64 sums of every channel): a
-recomputation finds its own call's, equal up to the rounding of another summation order (a thread count that differs
-between the replica's thread and the backward's). Where two recorded calls of the layer had the same payload but
-different totals (an identical shard on this replica while a peer's differed), nothing tells them apart, and the
-recomputation raises rather than guess.
-
-``use_reentrant=True`` recomputes each replica's segment inside a backward of its own, where the other replicas'
-gradients are out of reach: the replayed total carries no cross-replica gradient, so backward through it raises,
-naming the layer, instead of returning a gradient without the other replicas' terms.
+Each replica records, for every forward call of a synchronized layer, its own payload beside the total the exchange
+returned; the recomputation, where no exchange is possible, replays the total recorded with its payload. Why, why
+keyed by the payload, and what raises: docs/design.md, "Activation checkpointing".
 """
 
 from __future__ import annotations
@@ -42,8 +28,7 @@ class _Record(NamedTuple):
 
 
 class RecordingTransport:
-    """A replica's transport that records the payload and totals of every call (in every grad mode: reentrant
-    checkpointing runs the original forward under ``no_grad``).
+    """A replica's transport that records the payload and totals of every call, in every grad mode.
 
     Args:
         transport: the replica's :class:`~syncbn_dist.comm.DataParallelTransport`.
@@ -76,7 +61,7 @@ class ReplayTransport:
 
     Raises:
         RuntimeError: from ``all_reduce``, if no recorded call had this payload, or several had it with different
-            totals; from backward, under ``use_reentrant=True`` checkpointing (see the module docstring).
+            totals; from backward, under ``use_reentrant=True`` checkpointing.
     """
 
     differentiable_exchange = True
@@ -137,8 +122,7 @@ def _same_values(a: Tensor, b: Tensor) -> bool:
 
 class _ReplayedTotal(Function):
     """``payload -> total`` (a recorded constant) that keeps the payload in the graph, so that a backward through the
-    recomputation's own graph (``use_reentrant=True``) reaches it and raises instead of dropping the gradient of the
-    statistics."""
+    recomputation's own graph (``use_reentrant=True``) raises instead of dropping the statistics' gradient."""
 
     @staticmethod
     def forward(payload: Tensor, total: Tensor, description: str) -> Tensor:

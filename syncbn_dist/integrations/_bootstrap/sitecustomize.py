@@ -1,12 +1,8 @@
 """Start-up hook of the processes a ``python -m syncbn_dist.run`` job starts: the patch, inherited.
 
-``python -m syncbn_dist.run`` puts this file's directory first on ``PYTHONPATH`` and sets ``SYNCBN_PATCH_TORCH=1``, so
-every Python process started from the job with that environment (Lightning's DDP launcher re-running the command,
-``torch.multiprocessing`` spawn, a subprocess) imports this module at start-up, before its main module, as the
-``sitecustomize`` of :mod:`site`. The same pattern as ``ddtrace-run`` and ``opentelemetry-instrument``. It first runs
-the ``sitecustomize`` it shadows, if the interpreter has one, then, if ``SYNCBN_PATCH_TORCH`` is ``1``, calls
-:func:`syncbn_dist.patch_torch_sync_batchnorm`. A failure is reported on stderr and the process goes on (as
-:mod:`site` does for a failing ``sitecustomize``).
+:mod:`site` imports it in every Python process of the job (how: docs/frameworks.md, "How to undo it"), as
+``ddtrace-run`` and ``opentelemetry-instrument`` do. It runs the ``sitecustomize`` it shadows, then patches where
+``SYNCBN_PATCH_TORCH`` is ``1``; a failure is reported on stderr and the process goes on, as :mod:`site` does.
 """
 
 import importlib.machinery
