@@ -166,8 +166,8 @@ class _FailAfterExchange(SynchronizedBatchNorm2d):
         super().__data_parallel_replicate__(ctx, copy_id)
         self.copy_id = copy_id
 
-    def _sync_forward(self, input: Tensor, transport: Any, compiling: bool) -> Tensor:
-        out = super()._sync_forward(input, transport, compiling)
+    def _sync_forward(self, input: Tensor, transport: Any, compiling: bool, recomputing: bool = False) -> Tensor:
+        out = super()._sync_forward(input, transport, compiling, recomputing)
         if self.copy_id == self.fail_on:
             raise MemoryError(f"replica {self.copy_id} ran out of memory after the exchange")
         return out

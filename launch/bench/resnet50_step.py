@@ -176,7 +176,9 @@ class _ForcedSync:
     process_group: Optional[Any]
     training: bool
 
-    def _select_transport(self, input: Tensor, compiling: bool) -> Optional[DistributedTransport]:
+    def _select_transport(
+        self, input: Tensor, compiling: bool, recomputing: bool = False
+    ) -> Optional[DistributedTransport]:
         return DistributedTransport(self.process_group) if self.training else None
 
 
