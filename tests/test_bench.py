@@ -170,14 +170,14 @@ def test_bench_runs_end_to_end_and_writes_json_markdown_png(tmp_path: Path) -> N
         counted = run["variants"][name]["collectives"]
         assert counted["forward"] == {
             "count": LAYERS,
-            "bytes": [(2 * WIDTH + 1) * 8],
+            "bytes": [(2 * WIDTH + 6) * 8],  # the statistics, the count and the collective's tag
             "ops": ["all_reduce"],
             "dtypes": ["float64"],
             # The compiled variant's collectives are functional ones in its graph, whose group the profiler does
             # not record (launch.common.counting.CollectiveCounter).
             "groups": [{"syncbn_dist": "world", "syncbn_dist_dedicated": "other"}.get(name, "in-graph")],
         }
-        assert counted["backward"]["count"] == LAYERS and counted["backward"]["bytes"] == [2 * WIDTH * 8]
+        assert counted["backward"]["count"] == LAYERS and counted["backward"]["bytes"] == [(2 * WIDTH + 6) * 8]
         assert counted["all_gather_calls"] == 0
         assert run["variants"][name]["collectives_match_expected"] is True
     # Plain BatchNorm sends nothing through Python collectives; the naive reference sends 2C float32 each way.
@@ -191,11 +191,9 @@ def test_bench_runs_end_to_end_and_writes_json_markdown_png(tmp_path: Path) -> N
     assert run["variants"]["bn_compiled"]["graph_breaks"] > 0
     assert run["variants"]["syncbn_dist_compiled"]["graph_breaks"] == 0
     assert run["variants"]["syncbn_dist_compiled"]["compile_seconds"] > 0
-    # The back-to-back probe: one all_reduce per payload size that (b) sends, as often as it sends it per step.
-    assert sorted((p["bytes"], p["per_step"]) for p in run["floor_detail"]) == [
-        (2 * WIDTH * 8, LAYERS),
-        ((2 * WIDTH + 1) * 8, LAYERS),
-    ]
+    # The back-to-back probe: one all_reduce per payload size that (b) sends, as often as it sends it per step (forward
+    # and backward payloads have one size).
+    assert sorted((p["bytes"], p["per_step"]) for p in run["floor_detail"]) == [((2 * WIDTH + 6) * 8, 2 * LAYERS)]
     assert run["floor_ms"] > 0
     assert run["in_step_floor_ms"] == pytest.approx(
         run["variants"]["floor"]["median_ms"] - run["variants"]["bn"]["median_ms"]

@@ -167,7 +167,8 @@ def test_a_report_has_no_empty_table_and_no_machine_path(name: str) -> None:
 def test_the_gpu_table_says_no_report_without_a_step_report_and_renders_one() -> None:
     layer = _report("performance_cuda.json")
     missing = readme_gpu_section(layer, None)
-    assert "**no generated report yet**" in missing and "(docs/gpu.md#the-resnet-50-training-step-on-an-h200)" in missing
+    assert "**no generated report yet**" in missing
+    assert "(docs/gpu.md#the-resnet-50-training-step-on-an-h200)" in missing
     assert readme_gpu_section(None, None).count("\n") == 1  # no layer sentence without a layer report
 
     def row(variant: str, dtype: str, ms: float) -> dict:

@@ -249,6 +249,10 @@ def test_ranks_that_part_raise_on_every_rank_under_compile(backend: str) -> None
     results = run_distributed(_worker_compiled, 2, backend, timeout=280, collective_timeout=60)
     for i, case in enumerate(CASES):
         _check([result[i] for result in results], case)
+    # The graph's check gathers every member's record as eager mode's does (a member whose layer fell back to eager
+    # and one whose layer runs compiled run the same collectives on a mismatch): each names both ranks' layers.
+    for result in results:
+        assert "rank 0: layer 'heads.a'" in result[1] and "rank 1: layer 'heads.b'" in result[1], result[1]
 
 
 def _worker_replicas(rank: int, world_size: int) -> list[str]:

@@ -13,7 +13,8 @@ same model converted and its synchronization forced (:func:`launch.bench.resnet5
 - C4: what that generated C++ computes per activation element (:mod:`launch.bench.generated_code`): statements in
   float64, roots and divisions, in pointwise loops and in reductions;
 - C3: Python function calls (cProfile) in a steady-state compiled step, those of ``torch.distributed``'s and
-  syncbn_dist's Python among them, against the step's collectives; in eager mode, the host time of one collective
+  syncbn_dist's Python among them (on the CPU, the check of each collective's tag), against the step's collectives;
+  in eager mode, the host time of one collective
   of a layer's payload (the transport's ``sum_``, against ``torch.distributed.all_reduce``) and of one synchronized
   layer (forward + backward, native kernels) against ``nn.BatchNorm2d``'s, at a small shape where host work bounds
   both.
@@ -195,7 +196,8 @@ def render(result: dict[str, Any], cfg: CompiledGraphConfig) -> str:
         f"{ours['compile_s'] / plain['compile_s']:.2f}x |",
         f"| Python calls in a compiled step (cProfile) | {plain['python_calls']} | {ours['python_calls']} | "
         f"{calls_per_layer:+.2f} per layer |",
-        f"| of them in torch.distributed's or syncbn_dist's Python (C3) | {plain['python_calls_dist']} | "
+        f"| of them in torch.distributed's or syncbn_dist's Python (C3: the CPU tag check, 2 a collective) | "
+        f"{plain['python_calls_dist']} | "
         f"{ours['python_calls_dist']} | against {result['collectives_per_step']} collectives a step |",
         "",
         "| per activation element, generated C++ (C4) | plain nn.BatchNorm2d | syncbn_dist | |",

@@ -1,26 +1,11 @@
-r"""Collective tags: every synchronized collective says which layer and direction sent it, and checks that on arrival.
+"""Collective tags: every synchronized collective says which layer and direction sent it, and checks that on arrival.
 
 Each member appends the five float64 values ``[1, f, f**2, g, g**2]`` of its :class:`CollectiveTag` to the payload it
-all-reduces, where ``(f, g)`` are two 16-bit integers hashed from the layer's identity (its qualified name in the model)
-and the collective's direction. The sums ``[n, sum f, sum f**2, sum g, sum g**2]`` arrive with the payload's, and
-
-.. math::
-
-    \sum_i (f_i - f)^2 = \sum_i f_i^2 - 2 f \sum_i f_i + n f^2
-
-is zero exactly when every member sent this member's ``f``: each member tests its own tag against the same sums, so
-either every member passes or every member raises :class:`LayerMismatchError`, at that collective, with no collective
-of its own. Integers below 2**16 keep every sum and product below 2**53, so the test is exact in float64 for up to
-2**21 members. Two distinct collectives pass for each other only if both 16-bit hashes collide: a chance of 2**-32.
-
-A member that joined under ``Join`` sends zeros, so ``n`` counts the members that sent a tag. A DataParallel replica's
-payload is summed over the replicas before the processes, so ``n`` counts replicas; the gradient of the exchanged
-payload carries the backward's tag the same way (:mod:`syncbn_dist.layer.exchange_functions`).
-
-Where the sums are read: on the host right after a CPU collective (no synchronization to wait for), and inside a user's
-``torch.compile`` graph by the custom op ``syncbn_dist::tag_checked`` (:func:`checked_in_graph`). On CUDA nothing is
-read at the collective: the discrepancy is accumulated on the device and read back from pinned memory at a later
-synchronized call once the device has passed it (:class:`_DeviceMonitor`), so no layer waits for the device.
+all-reduces, ``(f, g)`` two 16-bit integers hashed from the layer's identity and the collective's direction. From the
+sums each member tests ``sum_i (f_i - f)**2 == 0`` (and the same for ``g``), so every member passes or every member
+raises :class:`LayerMismatchError`, at that collective. The sums are read on the host after a CPU collective, by the
+custom op ``syncbn_dist::tag_checked`` in a compiled graph (:func:`checked_in_graph`), and on CUDA at a later call
+(:class:`_DeviceMonitor`). Why it is exact, who counts, the cost: docs/design.md, "Every collective checks itself".
 """
 
 from __future__ import annotations
@@ -33,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .distributed import all_gather_bytes
+from .distributed import all_gather_bytes, resolve_group
 
 __all__ = [
     "BACKWARD",
@@ -73,10 +58,8 @@ class LayerMismatchError(ValueError):
     """Members of a synchronization group reached different synchronized collectives: another layer, or the other
     direction (raised on every member at that collective).
 
-    Raised by the collective tags every payload carries (:mod:`syncbn_dist.comm.tags`), by the gather check of a
-    group's first step and of debug mode (:mod:`syncbn_dist.comm.agreement`), and under ``Join`` by the controls that
-    announce each collective to the joined ranks. Inside a compiled graph on CUDA, a mismatch is a device-side
-    assertion instead (no host code runs there). A ``ValueError``, as a bad input is.
+    Raised by the collective tags, the gather check of a group's first step and of debug mode, and the controls under
+    ``Join`` (docs/troubleshooting.md); inside a compiled graph on CUDA a mismatch is a device-side assertion instead.
     """
 
 
@@ -136,9 +119,8 @@ class CollectiveTag:
 
         Args:
             total: the summed payload, its last :data:`TAG_SIZE` values the summed tags (or those values alone).
-            transport: what summed it: on a mismatch, the members of its ``agreement_group()`` (every one of which
-                checks this collective) gather one record each to name every member's collective; with no group
-                (None, or no transport) the error names this member's alone.
+            transport: what summed it: on a mismatch the members of its ``agreement_group()`` gather one record each
+                to name every member's collective (no group: the error names this member's alone).
 
         Raises:
             LayerMismatchError: on every member that sent a tag, if they did not all send the same one (CPU; on CUDA
@@ -148,8 +130,7 @@ class CollectiveTag:
         if summed.is_cuda:
             _monitor(summed.device).add(self, summed)
             return
-        # sum_i (f_i - f)**2 == 0 written as the test the sums allow: sum f_i == n f and sum f_i**2 == n f**2 (the same
-        # for g), every product an exact integer in float64.
+        # sum_i (f_i - f)**2 == 0 as the sums allow it (the same for g), in exact float64 integers.
         n, f_sum, f_squares, g_sum, g_squares = summed.tolist()
         _, f, f_square, g, g_square = self.values
         if not (f_sum == n * f and f_squares == n * f_square and g_sum == n * g and g_squares == n * g_square):
@@ -233,9 +214,7 @@ def tag_for(identity: str, direction: str, description: str) -> CollectiveTag:
     return tag
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# CUDA: the discrepancy accumulated on the device, read back later
-# ---------------------------------------------------------------------------------------------------------------
+# CUDA: the discrepancy accumulated on the device, read back later.
 
 # Slots of a device's accumulator, by tag index modulo this: fixed, so that CUDA graphs that captured the accumulation
 # keep writing where the monitor reads.
@@ -243,14 +222,8 @@ _SLOTS = 4096
 
 
 class _DeviceMonitor:
-    """One CUDA device's summed discrepancies, one slot per tag, and their copy in pinned host memory.
-
-    :meth:`add` accumulates ``sum_i (f_i - f)**2 + (g_i - g)**2`` of a collective into its tag's slot with one kernel
-    and no host read. Every call also polls: once the device has finished the copy enqueued at an earlier call (an
-    event query, which never waits), a nonzero slot raises :class:`LayerMismatchError` naming its tag, and a new copy
-    is enqueued. So a mismatch is raised at a synchronized call after the device has run the failing collective,
-    typically the next step's first layer, without any layer waiting for the device.
-    """
+    """One CUDA device's summed discrepancies, one slot per tag, and their copy in pinned host memory: :meth:`add`
+    accumulates with one kernel and no host read, then polls (docs/design.md, "Every collective checks itself")."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -308,38 +281,43 @@ def raise_pending_mismatch() -> None:
         monitor.poll(wait=True)  # the copy enqueued by the first poll holds every collective so far
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Inside a user's torch.compile graph
-# ---------------------------------------------------------------------------------------------------------------
+# Inside a user's torch.compile graph.
+
+
+class _NamedGroup(NamedTuple):
+    """The group named ``name``, as :meth:`CollectiveTag.verify` asks for it: only on a mismatch."""
+
+    name: str
+
+    def agreement_group(self) -> Any:
+        return resolve_group(self.name)
 
 
 @torch.library.custom_op("syncbn_dist::tag_checked", mutates_args=())
-def _tag_checked(total: Tensor, tag_index: int) -> Tensor:
+def _tag_checked(total: Tensor, tag_index: int, group_name: str) -> Tensor:
     """``total`` (a summed payload) as a new tensor, after :meth:`CollectiveTag.verify` with the tag of
-    ``tag_index``: the check as one op of a compiled graph, whose output the graph uses (so it runs, in order)."""
-    _TAGS_BY_INDEX[tag_index].verify(total)
+    ``tag_index``: the check as one op of a compiled graph, whose output the graph uses (so it runs, in order). On a
+    mismatch the members of the group ``group_name`` gather their records, as eager mode's check does, so that a
+    member whose layer runs eagerly (Dynamo's fallback) and one whose layer runs compiled run the same collectives."""
+    _TAGS_BY_INDEX[tag_index].verify(total, _NamedGroup(group_name))
     return total.clone()
 
 
 @_tag_checked.register_fake
-def _(total: Tensor, tag_index: int) -> Tensor:
+def _(total: Tensor, tag_index: int, group_name: str) -> Tensor:
     return torch.empty_like(total)
 
 
-_tag_checked.register_autograd(lambda ctx, grad: (grad, None))
+_tag_checked.register_autograd(lambda ctx, grad: (grad, None, None))
 
 
-def checked_in_graph(total: Tensor, tag: TracedTag) -> Tensor:
+def checked_in_graph(total: Tensor, tag: TracedTag, group_name: str) -> Tensor:
     """:meth:`CollectiveTag.verify` of ``total`` inside a traced graph; returns the checked total, which the caller uses
-    in place of ``total``.
-
-    On the CPU, the custom op ``syncbn_dist::tag_checked``: it raises :class:`LayerMismatchError` at the collective,
-    on every member. On CUDA, no host code at all (a Python op per layer and direction would cost a compiled GPU step
-    tens of microseconds each): ``torch._assert_async`` of ``sum_i (f_i - f)**2 + (g_i - g)**2 == 0``, which inductor
-    fuses into a kernel and CUDA graphs replay; a mismatch stops the process with CUDA's device-side assertion,
-    whose message names the layer and direction, instead of mixing statistics."""
+    in place of ``total``: on the CPU the custom op ``syncbn_dist::tag_checked``, on CUDA ``torch._assert_async``
+    with no host code (docs/compile.md, "How the graph stays whole and correct"). ``group_name``: the collective's
+    process group, whose members gather their records on a mismatch (on the CPU)."""
     if not total.is_cuda:
-        return torch.ops.syncbn_dist.tag_checked(total, tag.index)
+        return torch.ops.syncbn_dist.tag_checked(total, tag.index, group_name)
     _, f, f_square, g, g_square = tag.values
     weights = total.new_tensor([f_square + g_square, -2.0 * f, 1.0, -2.0 * g, 1.0])
     discrepancy = (total[-TAG_SIZE:] * weights).sum()

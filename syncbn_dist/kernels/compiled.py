@@ -173,8 +173,13 @@ def shard_payload(x: Tensor, tag: Optional[Tensor] = None, *, staged: bool = Tru
     shift_64 = shift.to(_F64)
     absolute_sums = sums + count * shift_64
     absolute_squares = squares + shift_64 * (2.0 * sums + count * shift_64)
-    pieces = [absolute_sums, absolute_squares, sums.new_full((1,), count)]
-    return torch.cat(pieces if tag is None else [*pieces, tag]), shift
+    tail = sums.new_full((1,), count) if tag is None else _with_lead(tag, count)
+    return torch.cat([absolute_sums, absolute_squares, tail]), shift
+
+
+def _with_lead(tag: Tensor, lead: float) -> Tensor:
+    """``[lead, *tag]``: the payload's constant tail in one op, so that a compiler writes it with one loop."""
+    return torch.nn.functional.pad(tag, (1, 0), value=lead)
 
 
 def _first_value_per_channel(x: Tensor) -> Tensor:
@@ -316,7 +321,7 @@ def backward_region(
     # In the statistics dtype here, right after the reductions, so that the compiler converts them there too.
     sum_dy, sum_dy_xhat = local.to(_stat_dtype(x)).chunk(2)
     # The collective runs whether or not grad_input is needed: every member sends the same collectives.
-    total = all_reduce_sum(local if tag is None else torch.cat([local, local.new_zeros(1), tag]), group_name)
+    total = all_reduce_sum(local if tag is None else torch.cat([local, _with_lead(tag, 0.0)]), group_name)
     if verify is not None:
         total = verify(total)
     if not need_input:
@@ -379,7 +384,7 @@ def layer_forward(
     ``tag`` is a :class:`~syncbn_dist.comm.tags.TracedTag`, checked by an op of the graph.
     """
     if is_compiling():
-        tag_values, verify = _traced_check(tag, input)
+        tag_values, verify = _traced_check(tag, input, group_name)
         return forward_region(input, weight, bias, eps, clip, group_name, tag_values, staged=False, verify=verify)[:6]
     x = _as_3d(input)
     y, mean, unbiased_var, var, count, summed_tag, *_ = _forward_region(
@@ -388,12 +393,16 @@ def layer_forward(
     return _in_shape_of(y, input), mean, unbiased_var, var, count, summed_tag
 
 
-def _traced_check(tag: Any, input: Tensor) -> tuple[Tensor, Optional[Callable[[Tensor], Tensor]]]:
+def _traced_check(
+    tag: Any, input: Tensor, group_name: Optional[str]
+) -> tuple[Tensor, Optional[Callable[[Tensor], Tensor]]]:
     """The tag's values as a constant of the traced graph, and what checks a summed payload there
     (:func:`~syncbn_dist.comm.tags.checked_in_graph`; None for a collective without peers,
     :data:`~syncbn_dist.comm.tags.NO_TAG`)."""
     values = torch.tensor(tag.values, dtype=_F64, device=input.device)
-    return values, None if tag.index < 0 else functools.partial(checked_in_graph, tag=tag)
+    if tag.index < 0 or group_name is None:
+        return values, None
+    return values, functools.partial(checked_in_graph, tag=tag, group_name=group_name)
 
 
 def layer_backward(
@@ -404,7 +413,7 @@ def layer_backward(
     Returns ``(grad_input or None, sum(dy * x_hat), sum(dy), summed_tag)``, the (C,) local sums in the statistics
     dtype; traced into a user's graph as :func:`layer_forward` is."""
     if is_compiling():
-        tag_values, verify = _traced_check(tag, input)
+        tag_values, verify = _traced_check(tag, input, group_name)
         return backward_region(
             grad_output, input, weight, mean, var, count, None, eps, clip, group_name, need_input, tag_values,
             staged=False, verify=verify,
