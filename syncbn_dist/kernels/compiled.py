@@ -399,7 +399,9 @@ def _traced_check(
     """The tag's values as a constant of the traced graph, and what checks a summed payload there
     (:func:`~syncbn_dist.comm.tags.checked_in_graph`; None for a collective without peers,
     :data:`~syncbn_dist.comm.tags.NO_TAG`)."""
-    values = torch.tensor(tag.values, dtype=_F64, device=input.device)
+    # Padded to nine values: inductor inlines a constant of at most eight into the kernel's source, which would make
+    # every layer's kernels distinct; a larger one is a buffer argument, so layers of one shape share their kernels.
+    values = torch.tensor((*tag.values, 0.0, 0.0, 0.0, 0.0), dtype=_F64, device=input.device)[:TAG_SIZE]
     if tag.index < 0 or group_name is None:
         return values, None
     return values, functools.partial(checked_in_graph, tag=tag, group_name=group_name)
