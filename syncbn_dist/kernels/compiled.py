@@ -177,9 +177,10 @@ def shard_payload(x: Tensor, tag: Optional[Tensor] = None, *, staged: bool = Tru
     return torch.cat([absolute_sums, absolute_squares, tail]), shift
 
 
-def _with_lead(tag: Tensor, lead: float) -> Tensor:
-    """``[lead, *tag]``: the payload's constant tail in one op, so that a compiler writes it with one loop."""
-    return torch.nn.functional.pad(tag, (1, 0), value=lead)
+def _with_lead(tag: Tensor, lead: Any) -> Tensor:
+    """``[lead, *tag]``: the payload's constant tail as pointwise ops, which a compiler writes with one loop (``lead``
+    a number, or the symbolic count of a dynamic shape: written by ``select_scatter``, never as ``pad``'s value)."""
+    return torch.nn.functional.pad(tag, (1, 0)).select_scatter(tag.new_full((), lead), 0, 0)
 
 
 def _first_value_per_channel(x: Tensor) -> Tensor:
