@@ -43,14 +43,10 @@ def _unflatten(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
 class _AllReduceCoalesced(Function):
     """Sum tensors with one call of ``reducer.sum_`` (one ``all_reduce``); backward does the same for the gradients.
 
-    The adjoint of a sum-all_reduce is a sum-all_reduce of the gradients. Only the gradients of inputs that
-    require grad are sent, so the backward payload is as small as it can be (every rank agrees on which
-    inputs those are, since they run the same model). Under ``backward(create_graph=True)`` that sum is this
-    Function again, so the recorded backward can itself be differentiated (double backward).
-
-    ``tags`` is None or ``(forward_tag, backward_tag, stamp)``: the :class:`~syncbn_dist.comm.tags.CollectiveTag` each
-    direction's sum verifies (the flattened tensors end with the summed tags); with ``stamp``, each direction first
-    writes its tag's values into the last values of what it sends (a gradient's tail is that of a constant: zeros).
+    Backward sends only the gradients of inputs that require grad (the same inputs on every rank), through this
+    Function again under ``create_graph=True`` (double backward: docs/design.md, "Higher-order derivatives").
+    ``tags``: None or ``(forward_tag, backward_tag, stamp)``, the :class:`~syncbn_dist.comm.tags.CollectiveTag` each
+    direction verifies; with ``stamp`` each direction first writes its tag into the tail of what it sends.
     """
 
     @staticmethod
@@ -93,13 +89,8 @@ def all_reduce_sum(tensor: Tensor, group_name: Optional[str]) -> Tensor:
     ``tensor`` itself): torch's functional ``all_reduce`` and ``wait_tensor``, C++ ops in eager mode and in compiled
     graphs alike, with no Python per call.
 
-    Every synchronized layer's collective is this call, eager or compiled, on a float64 payload computed from the
-    layer's input (forward) or ``grad_output`` (backward). That is what keeps the ranks' collectives in step under
-    ``torch.compile``, where functional collectives are pure ops: a payload that depends on the layer's input is
-    never a common subexpression of another layer's (an empty shard's zeros are sums over its empty input, not
-    constants), a backward payload that depends on ``grad_output`` is never hoisted into the forward graph, the
-    partitioner never recomputes a collective, and inductor issues collectives in the order of its input graph
-    (``torch._inductor.comms.decide_global_ordering_of_comms``). docs/compile.md, "How the graph stays whole".
+    Its payload is always computed from the layer's input or ``grad_output``: what keeps the ranks' collectives in
+    step under ``torch.compile`` (docs/compile.md, "How the graph stays whole and correct").
 
     Args:
         tensor: any shape and dtype the backend reduces (the layer sends float64 payloads).
@@ -142,21 +133,16 @@ class DistributedTransport:
         Args:
             tensors: tensors of one dtype, any shapes.
             reducer: what sums the flattened tensors, forward and backward (an object with this class's ``sum_``;
-                None: this transport). :class:`syncbn_dist.comm.join_session.JoinTransport` passes itself, to announce
-                each collective to the ranks that have joined.
-            tags: ``(forward_tag, backward_tag, stamp)``, what each direction verifies (see ``_AllReduceCoalesced``),
-                or None.
+                None: this transport); :class:`~syncbn_dist.comm.join_session.JoinTransport` passes itself.
+            tags: ``(forward_tag, backward_tag, stamp)`` (see ``_AllReduceCoalesced``), or None.
         """
         return list(_AllReduceCoalesced.apply(self if reducer is None else reducer, tags, *tensors))
 
     def sum_(self, tensor: Tensor, tag: Optional[Any] = None) -> Tensor:
         """Sum ``tensor`` over the group in place with one ``all_reduce`` and return it (not differentiable).
 
-        Called by the native kernels inside the synchronized batch-norm autograd Function, forward and backward, in
-        eager mode (graphs hold :func:`all_reduce_sum`). It is the process group's own ``allreduce`` (one
-        ``c10d.allreduce_``), without ``torch.distributed.all_reduce``'s per-call Python checks: the payload is
-        always one dense tensor, reduced with SUM (the default options). Traced by ``torch.compile``, it is
-        :func:`all_reduce_sum` (Dynamo cannot trace a process group's methods).
+        The process group's own ``allreduce``, without ``torch.distributed.all_reduce``'s per-call checks (one dense
+        tensor, SUM); traced, :func:`all_reduce_sum` (Dynamo cannot trace a process group's methods).
 
         Args:
             tensor: the flat payload.
@@ -213,9 +199,8 @@ def distributed_transport(process_group: Optional[Any]) -> Optional[DistributedT
 
 
 class _WeakGroupTransport(DistributedTransport):
-    """A :class:`DistributedTransport` that does not keep its process group alive (:func:`cached_distributed_transport`
-    holds these): a group must be freed when ``torch.distributed`` destroys it, not during interpreter finalization,
-    where freeing a gloo group can abort the process (docs/troubleshooting.md, "SIGABRT or a hang at exit")."""
+    """A :class:`DistributedTransport` that does not keep its process group alive, so that it is freed when
+    ``torch.distributed`` destroys it (docs/troubleshooting.md, "SIGABRT or a hang at exit")."""
 
     def __init__(self, process_group: Any) -> None:  # not super().__init__: process_group is a property here
         self._group_ref = weakref.ref(process_group)
@@ -246,10 +231,7 @@ _MISSING = object()
 def cached_distributed_transport(process_group: Optional[Any]) -> Optional[DistributedTransport]:
     """:func:`distributed_transport`, remembered per group until the default group changes (eager mode only).
 
-    A layer asks at every training forward, and the answer changes only when groups do: after the first call for a
-    group this costs a lookup and the default group's, instead of torch.distributed's rank and size queries and a
-    new transport. Nothing remembered keeps a process group alive (a destroyed group is freed as it would be without
-    the cache). A non-member's ValueError is raised at every call (nothing is remembered for it).
+    It keeps no process group alive, and remembers nothing for a non-member (docs/design.md, "Host cost per layer").
 
     Args, Returns, Raises: as :func:`distributed_transport`.
     """
@@ -312,8 +294,7 @@ def new_sync_groups(group_size: int) -> Any:
 def all_gather_bytes(data: bytes, group: Optional[Any] = None, size: Optional[int] = None) -> list[bytes]:
     """Every member's ``data``, by group rank, as uint8 tensors through ``all_gather`` (no pickling, no numpy).
 
-    ``torch.distributed.all_gather_object`` turns its tensors back into bytes with numpy, which torch's CPU wheel does
-    not bring. Here the bytes travel as uint8 tensors on the backend's device (the current CUDA device for nccl).
+    Not ``all_gather_object``: it needs numpy, which torch's CPU wheel does not bring. For nccl, on the current device.
 
     Args:
         data: this member's bytes.

@@ -1,29 +1,12 @@
 """Collectives for ranks that have run out of inputs: the protocol behind :func:`syncbn_dist.join_layers`.
 
-Under ``torch.distributed.algorithms.Join`` a rank that has run out of batches leaves the training loop while the
-others go on. Every synchronized layer's collective then needs a partner on that rank. A :class:`JoinSession`
-gives it one: the joined rank runs a *listener* thread that answers each of the active ranks' collectives with an
-empty shard's payload (zeros: count 0), so the statistics cover exactly the ranks that still have data.
-
-The listener learns what to answer from the active ranks, one collective at a time, instead of replaying a record
-of an earlier step: before each payload the active ranks all-reduce a small *control* vector. Joined ranks add
-zeros to it, so its sums say how many ranks are active and what they send:
-``[active, kind, kind², layer, layer², numel, numel², dtype, dtype²]``. The active ranks agree on a field exactly
-when ``active * sum(f²) == sum(f)²`` (the values of equal integers; checked identically on every rank from the
-same sums), and then ``sum(f) / active`` is the shared value. So a model whose layer sequence changes from step to
-step is served exactly, and active ranks at different layers raise :class:`LayerMismatchError` on every rank. The
-payloads carry their collective tags (:mod:`syncbn_dist.comm.tags`), to which a joined rank adds nothing: the
-active ranks check them, and the listener tests the sums the same way, so that a disagreement the controls cannot
-see (a forward against a backward of the same layer) stops the joined rank too.
-
-Controls cost one small collective per layer collective, so they run only while a peer has joined: each training
-forward of the model starts with a *header* (a control of kind ``HEADER``) that counts the active ranks, and the
-layers of that forward and its backward send controls only if the count is below the group's size. The listener
-stops when a control finds no active rank: every rank has joined.
-
-All of it runs on a process group of its own (a copy of the layers' group): the joined rank's main thread runs the
-other joinables' shadows (DistributedDataParallel's gradient all-reduces) on the user's group at the same time, in
-an order the listener cannot follow. docs/design.md, "Uneven inputs under Join".
+Under ``torch.distributed.algorithms.Join``, a rank that has run out of batches runs a *listener* thread (a
+:class:`JoinSession`'s) that answers each of the active ranks' collectives with an empty shard's payload (count 0).
+While a peer has joined, the active ranks precede each payload with a *control*, an all-reduce of
+``[active, kind, kind², layer, layer², numel, numel², dtype, dtype²]`` to which joined ranks add zeros: its sums say
+what to answer, or that the active ranks disagree (:class:`LayerMismatchError` on every rank). Each training forward
+starts with a *header* control that counts the active ranks. All of it runs on a copy of the layers' process group.
+Why, and what each part checks: docs/design.md, "Uneven inputs under Join".
 """
 
 from __future__ import annotations
@@ -41,8 +24,7 @@ from .transport import UNREACHABLE
 
 __all__ = ["JoinBinding", "JoinSession", "JoinTransport"]
 
-# Control kinds: the start of a forward, a collective, and the forward collective of a layer that then updates its
-# running statistics (the joined ranks update theirs from the same total).
+# Control kinds: a forward's start, a collective, and a forward whose total updates the running statistics.
 _HEADER, _COLLECTIVE, _TRACKED_FORWARD = 1.0, 2.0, 3.0
 # The dtypes a payload can have, by code (the index + 1): the synchronized layers send float64.
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -93,15 +75,9 @@ class JoinSession:
 
     Args:
         process_group: the group the layers' collectives run on under ``Join``: a copy of their own group, used by
-            nothing else (see the module docstring).
+            nothing else.
         device: where controls and an empty shard's payloads live (the layers' device: CPU for gloo, the current
             CUDA device for nccl).
-
-    The layers are numbered per session (:meth:`code_of`), the same on every rank: the controls carry the number.
-    A joined rank's listener keeps the summed forward payloads ``[sum (C), sum of squares (C), count, tag (5)]`` of
-    the layers that update their running statistics (:meth:`take_forward_totals`), for the main thread to apply: the
-    listener never writes a layer's buffers, which DistributedDataParallel's buffer broadcast writes on the main
-    thread of a joined rank too.
     """
 
     def __init__(self, process_group: Any, device: torch.device) -> None:
@@ -125,8 +101,8 @@ class JoinSession:
         return code
 
     def take_forward_totals(self) -> list[tuple[Any, Tensor]]:
-        """The ``(layer, summed forward payload)`` the listener answered since the last call, in order (a joined
-        rank's main thread updates the layers' running statistics from them)."""
+        """The ``(layer, summed forward payload)`` the listener answered since the last call, in order, for the main
+        thread to update the running statistics from (the listener writes no buffer)."""
         with self._lock:
             totals, self._forward_totals = self._forward_totals, []
         return totals
@@ -277,9 +253,8 @@ class JoinBinding:
     collective over processes is announced like any other.
 
     Args:
-        owner: the joinable; its ``active`` says whether a ``Join`` context is open. Held weakly (the joinable holds
-            its layers, and the model holds the joinable through its forward pre-hook): a cycle would keep the model,
-            and the process groups it reaches, alive until a gc pass, past ``destroy_process_group``.
+        owner: the joinable; its ``active`` says whether a ``Join`` context is open. Held weakly: a cycle through the
+            model would hold its process groups until a gc pass, past ``destroy_process_group``.
         transport: the layer's :class:`JoinTransport`.
     """
 

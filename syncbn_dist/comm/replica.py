@@ -2,7 +2,7 @@
 
 :class:`SyncMaster`, :class:`SlavePipe` and :class:`FutureResult` follow the classic Synchronized-BatchNorm
 design; :class:`DataParallelTransport` sums over the replicas and, on the master, optionally over processes;
-:func:`run_replicas_in_threads` runs replicas in threads (CPU replicas, and tests).
+:func:`run_replicas_in_threads` runs replicas in threads. docs/design.md, "The DataParallel exchange".
 """
 
 from __future__ import annotations
@@ -54,10 +54,8 @@ class _Failure(NamedTuple):
 class FutureResult:
     """A single-slot result that one thread puts and another waits for, with a timeout.
 
-    ``put`` may carry an exception instead (see :meth:`put_error`); ``get`` then raises
-    :class:`ReplicaSyncError` from it. The producer can say that the result is on its way (:meth:`mark_collected`):
-    the timeout then no longer applies, as the rest of the wait is the producer's own (a collective over processes,
-    bounded by the process group's timeout).
+    ``put`` may carry an exception instead (:meth:`put_error`); ``get`` then raises :class:`ReplicaSyncError` from it.
+    After :meth:`mark_collected` the timeout no longer applies: the rest of the wait is the producer's collective.
     """
 
     def __init__(self) -> None:
@@ -121,11 +119,8 @@ class SlavePipe(NamedTuple):
         return self.result.get(self.timeout)
 
     def report_failure(self, error: BaseException, where: str = "") -> None:
-        """Report that this replica failed (in ``where``): wakes the master and every other slave at once.
-
-        With a :class:`Replication`, the replicas waiting at any other exchange of the same replication wake
-        too. Only the first failure reported to an exchange is delivered.
-        """
+        """Report that this replica failed (in ``where``): every peer waiting in this exchange, or in any of its
+        :class:`Replication`'s, raises at once (see :meth:`SyncMaster.abort`)."""
         if self.master is not None:
             self.master.abort(error, self.identifier, where)
         else:
@@ -137,13 +132,9 @@ class SyncMaster:
 
     Each slave registers once per replication (``register_slave``); in every forward the master collects
     one message from each slave, calls ``master_callback`` on ``[(copy_id, msg), ...]`` sorted by copy_id
-    (the master's own message first), and hands each slave its entry of the returned list.
-
-    Nothing waits forever: the master gives up after ``timeout`` seconds without a slave's message, any
-    failure of the callback is delivered to every slave, and :meth:`abort` wakes every waiter with an error.
-    Synchronized layers call it (through :meth:`report_failure` and :meth:`SlavePipe.report_failure`) when
-    they raise, so peers wake whatever runs the replicas; the DataParallel runners call it too when a replica
-    raises anywhere. After an abort every later exchange of the round fails at once: replicate again.
+    (the master's own message first), and hands each slave its entry of the returned list. Nothing waits
+    forever: a missing slave times out, and a failure wakes every waiter (:meth:`abort`; docs/design.md, "The
+    DataParallel exchange").
 
     Args:
         master_callback: ``[(copy_id, msg)] -> [(copy_id, result)]``, one entry per replica.
@@ -162,8 +153,7 @@ class SyncMaster:
         self.timeout = timeout
         self._queue: queue.Queue[Any] = queue.Queue()
         self._registry: dict[int, FutureResult] = {}
-        # Set once the master has run; the next registration then starts a new replication round.
-        self._activated = False
+        self._activated = False  # the master has run: the next registration starts a new round
         # The first failure of this round; later ones are not delivered (they are its consequences).
         self._failure: Optional[_Failure] = None
         self._failure_lock = threading.Lock()
@@ -176,10 +166,8 @@ class SyncMaster:
         return len(self._registry)
 
     def register_slave(self, identifier: int) -> SlavePipe:
-        """Register the replica with ``copy_id == identifier`` (> 0) and return its pipe.
-
-        As in the classic design, the first registration after the master has run starts a new replication
-        round: the previous round's slaves are forgotten, so one SyncMaster can serve every forward.
+        """Register the replica with ``copy_id == identifier`` (> 0) and return its pipe; the first registration
+        after the master has run starts a new round, so one SyncMaster serves every forward.
 
         Raises:
             ValueError: if ``identifier`` is not positive (0 is the master) or is already registered in
@@ -223,8 +211,7 @@ class SyncMaster:
                 raise item.to_error() from item.error
             intermediates.append(item)
         intermediates.sort(key=lambda pair: pair[0])
-        # Every replica of this process has arrived: their wait for the result no longer counts against the replicas'
-        # timeout (the callback may all-reduce over processes, whose own timeout bounds it).
+        # Every replica has arrived: the callback's collective over processes is bounded by the group's own timeout.
         for future in self._registry.values():
             future.mark_collected()
         try:
@@ -242,11 +229,9 @@ class SyncMaster:
         self.abort(error, 0, where)
 
     def abort(self, error: BaseException, copy_id: Optional[int] = None, where: str = "") -> None:
-        """Wake the master and every slave waiting in this exchange (and its :class:`Replication`'s).
-
-        Each raises :class:`ReplicaSyncError` from ``error``, naming replica ``copy_id`` (None: unknown) and
-        ``where``. Only the first abort of a round is delivered; later ones are ignored.
-        """
+        """Wake the master and every slave waiting in this exchange (and its :class:`Replication`'s): each raises
+        :class:`ReplicaSyncError` from ``error``, naming replica ``copy_id`` (None: unknown) and ``where``. Only the
+        first abort of a round is delivered."""
         failure = _Failure(error, copy_id, where)
         if self.replication is not None:
             self.replication.abort(failure)
@@ -264,12 +249,8 @@ class SyncMaster:
 
 
 class Replication:
-    """The exchanges of one replication (one call of ``execute_replication_callbacks``), failing together.
-
-    A replica that fails after its layer's exchange leaves its peers waiting at a *later* layer; aborting
-    every exchange of the replication wakes them there. Each :class:`SyncMaster` created with
-    ``replication=`` adds itself.
-    """
+    """The exchanges of one replication (one call of ``execute_replication_callbacks``), failing together, so that
+    an abort reaches peers waiting at a later layer. Each :class:`SyncMaster` made with ``replication=`` adds itself."""
 
     def __init__(self) -> None:
         self._masters: list[SyncMaster] = []
@@ -297,10 +278,8 @@ class Replication:
 class DataParallelTransport:
     """Sums over the DataParallel replicas of this process, then over processes if ``inner`` is given.
 
-    The master replica adds the replicas' tensors on its device with differentiable ops and sends each
-    replica the total moved to its device. Because the exchange is part of the autograd graph, backward
-    needs no cross-thread barrier: the engine (one thread on CPU) sums the replicas' gradients at the
-    master's node and hands the total back to each replica, which is the all-reduce of the gradients.
+    The master adds the replicas' tensors with differentiable ops and sends each replica the total on its device:
+    the exchange is part of the autograd graph, so backward needs no barrier (docs/design.md, "Transports").
 
     Args:
         exchange: the :class:`SyncMaster` (replica 0) or this replica's :class:`SlavePipe`.
@@ -364,12 +343,9 @@ def new_sync_master(
 def install_placeholder_cuda_guard() -> None:
     """Have torch install its placeholder CUDA device guard from a thread that lives as long as the process.
 
-    With no usable GPU, every FakeTensorMode entry (each trace of torch.compile) calls
-    ``torch._C._ensureCUDADeviceGuardSet``. On torch 2.11's CUDA wheel its first call puts a guard owned by the
-    calling thread (a ``thread_local``) into the process-wide registry: when a replica thread traced first, the
-    registry points at freed memory once that thread ends, and the next device-guard lookup (a backward, another
-    trace) segfaults. torch 2.12 does not. Called before the first compilation and before replica threads start:
-    from the main thread it installs the guard there; from any other thread, in a parked daemon thread.
+    torch 2.11's CUDA wheel without a GPU registers the guard of whichever thread traces first; a replica thread's is
+    freed when it ends, and the next lookup segfaults (docs/design.md, "Compiled kernels", Threads). From the main
+    thread it installs the guard there; from any other thread, in a parked daemon thread.
     """
     if torch.cuda.is_available() or not hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
         return
@@ -395,9 +371,8 @@ def run_replicas_in_threads(
 ) -> list[Any]:
     """Run ``replicas[i](*inputs[i], **kwargs[i])`` in one thread each and return the outputs in order.
 
-    Grad mode and CPU autocast state are carried into the threads, as ``torch.nn.parallel.parallel_apply``
-    does. When a replica raises, ``on_error`` is called at once (to wake peers blocked in an exchange),
-    every thread is joined, and the first error is re-raised in the caller.
+    Grad mode and CPU autocast state are carried into the threads, as ``torch.nn.parallel.parallel_apply`` does.
+    When a replica raises, ``on_error`` is called at once (to wake peers blocked in an exchange).
 
     Raises:
         Exception: the first exception raised by a replica.

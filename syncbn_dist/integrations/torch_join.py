@@ -8,21 +8,10 @@ Usage, on every rank::
             criterion(ddp_model(images), labels).backward()
             optimizer.step()
 
-Each step's statistics cover the ranks that still have batches, exactly: a rank that has run out answers every
-synchronized collective with an empty shard (count 0) until the last rank is done. The protocol is in
+``Join([ddp_model])`` alone works too: the first synchronized layer of the process extends torch's ``Join``
+(:func:`extend_torch_join`, undone by :func:`restore_torch_join`). The protocol is in
 :mod:`syncbn_dist.comm.join_session`; docs/training.md ("Uneven inputs") and docs/design.md ("Uneven inputs under
-Join").
-
-``Join([ddp_model])`` alone works too: a ``Join`` of a DistributedDataParallel model that holds synchronized
-layers, and no joinable of this module, gets ``join_layers(ddp_model)`` added as its last joinable.
-
-For this, torch's ``Join`` is extended when the first synchronized layer of the process is made (through
-:mod:`syncbn_dist.torch_changes`; :func:`restore_torch_join` undoes it; a ``Join`` without synchronized layers is
-unchanged):
-``__init__`` adds the layers' joinable beside a DDP model, and hands ``Join``'s per-step notification to DDP when
-ours is listed first (DDP sends it inside its forward, before its own collectives); ``__exit__`` starts a joining
-rank's listeners before its first shadowing collective, whatever the order of the joinables, and raises the
-listener's error if the ``Join`` fails after the active ranks disagreed.
+Join", with what the extension changes).
 """
 
 from __future__ import annotations
@@ -49,11 +38,9 @@ from .torch_patch import is_torch_sync_batchnorm_patched
 
 __all__ = ["SyncBatchNormJoinable", "extend_torch_join", "join_layers", "restore_torch_join"]
 
-# Copies of the layers' process groups, by their ranks: created once per default process group (creating a group is
-# collective), and forgotten with it (a job that destroys its group and starts another gets new copies). Held weakly,
-# like the default group they belong to: torch's tables hold them until destroy_process_group, and a gloo group that
-# outlives it is destroyed during the interpreter's exit, which can abort the process ("terminate called without an
-# active exception": 7 of 30 two-rank runs on 2 cores, none when nothing holds the group).
+# Copies of the layers' process groups, by their ranks, per default process group (creating a group is collective).
+# Held weakly: a gloo group that outlives destroy_process_group can abort the interpreter's exit (docs/design.md,
+# "State kept across calls").
 _SESSION_GROUPS: dict[tuple[int, ...], Callable[[], Any]] = {}
 # What _SESSION_GROUPS gives for a copy this rank is not a member of.
 _NOT_A_MEMBER = object()
@@ -63,11 +50,9 @@ def _not_a_member() -> Any:
     return _NOT_A_MEMBER
 
 _SESSION_GROUPS_WORLD: list[Optional[weakref.ref[Any]]] = [None]
-# The session on each group copy, by the copy's id: one listener per copy, whatever the number of joinables. Held
-# weakly: the joinables hold them (making one is not collective, so ranks may differ in when one is collected).
+# The session of each group copy, by the copy's id. Held weakly: its joinables hold it (making one is not collective).
 _SESSIONS: weakref.WeakValueDictionary[int, JoinSession] = weakref.WeakValueDictionary()
-# Each model's joinable, for as long as the model lives (nothing of it is in the model's state: copies and pickles of
-# the model do not carry it).
+# Each model's joinable, while the model lives (copies and pickles of the model do not carry it).
 _JOINABLES: weakref.WeakKeyDictionary[nn.Module, SyncBatchNormJoinable] = weakref.WeakKeyDictionary()
 
 
@@ -79,9 +64,8 @@ def join_layers(model: nn.Module, join_process_group: Optional[Any] = None) -> S
     order. The first call for a model is collective (it creates one process group per group its layers synchronize
     over); later calls return the same joinable.
 
-    Inside the ``Join``, every training forward of ``model`` starts with one small all-reduce (the active ranks'
-    count); while some rank has joined, each synchronized collective is preceded by another. Outside it nothing
-    changes. The layers run eagerly inside the ``Join`` (under ``torch.compile``, a graph break per layer).
+    Inside the ``Join`` the layers run eagerly, with one small all-reduce more per training forward (and per
+    collective while a rank has joined); outside it nothing changes (docs/training.md, "Uneven inputs").
 
     Args:
         model: a module holding :class:`syncbn_dist.SyncBatchNorm` layers (or the DistributedDataParallel wrapping
@@ -218,9 +202,7 @@ class _LayersJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         self._joinable._start_listeners()  # already started by Join.__exit__ (see extend_torch_join)
-        # Once per active step, after the other joinables' hooks (DDP's buffer broadcast): the buffers of a joined rank
-        # are written by its main thread only.
-        self._joinable._update_running_stats()
+        self._joinable._update_running_stats()  # once per active step: only the main thread writes the buffers
 
     def post_hook(self, is_last_joiner: bool) -> None:
         joinable = self._joinable
@@ -268,9 +250,8 @@ def _session_groups(groups: list[Any], device: torch.device) -> dict[tuple[int, 
         _SESSION_GROUPS_WORLD[0] = weakref.ref(dist.group.WORLD)
     copies = {}
     for ranks in sorted(wanted):
-        # Alive on every rank alike: torch holds the copy until destroy_process_group, which takes the world with it.
-        # A rank outside the copy gets no group (new_group returns NON_GROUP_MEMBER, an int) and needs none, but
-        # remembers that it was made (until the world changes), so that every rank decides alike to make it again.
+        # Alive on every rank alike (torch holds the copy until destroy_process_group). A rank outside the copy gets no
+        # group (new_group returns an int) but remembers that it was made, so every rank decides alike to make it again.
         reference = _SESSION_GROUPS.get(ranks)
         group = None if reference is None else reference()
         if group is None:
@@ -328,10 +309,9 @@ def extend_torch_join() -> None:
             for joinable in ours:  # before Join's first collective: the active ranks' next ones need the listeners
                 joinable._start_listeners()
         elif type is not None and issubclass(type, LayerMismatchError) and _only_layers_joined(self, ours):
-            # Every active rank raised at the same collective (a tag or a control: comm/join_session.py). Leave as a
-            # rank that ran out of inputs does, so that the joined ranks' Join ends too (raising what their listeners
-            # saw) instead of waiting for the group's timeout; then raise the mismatch here. Not beside another
-            # joinable: a joined rank may be shadowing its collectives (DDP's gradient buckets), which this would meet.
+            # Every active rank raised at the same collective: leave as a rank out of inputs does, so that the joined
+            # ranks' Join ends too, raising what their listeners saw. Not beside another joinable, whose collectives a
+            # joined rank may be shadowing (docs/design.md, "Uneven inputs under Join").
             exit_(self, None, None, None)
             return False
         try:
