@@ -130,9 +130,12 @@ def _worker_graph(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
+@pytest.mark.over_budget("inductor compiles a step per batch shape (two on rank 1), beside a captured trace")
 @needs_cxx
 def test_user_graph_has_no_batch_norm_op_keeps_collectives_in_step_and_runs_no_python_per_collective() -> None:
-    """C2 on CPU, C3, and the collectives' order, with an empty shard on one rank (world size 2, inductor)."""
+    """C2 on CPU, C3, and the collectives' order, with an empty shard on one rank (world size 2, inductor).
+
+    Over 30 s: about 32 s on 2 cores, the inductor compilations (dynamic=False) whose steps the assertions read."""
     results = run_distributed(_worker_graph, 2, timeout=280)
     layers = 4
     for rank, result in enumerate(results):
