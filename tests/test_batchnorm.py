@@ -666,6 +666,20 @@ def _teacher_net() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.Linear(3, 2))
 
 
+def _ema_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, student: nn.Module, teacher: nn.Module, x: Tensor
+) -> Tensor:
+    """One SGD step of ``model`` (the student, or its DDP wrapper) on ``x``, the teacher's parameters moved halfway to
+    the student's, then the teacher's train-mode output on ``x`` under no_grad."""
+    optimizer.zero_grad()
+    model(x).square().sum().backward()
+    optimizer.step()
+    with torch.no_grad():
+        for t, s in zip(teacher.parameters(), student.parameters()):
+            t.lerp_(s, 0.5)
+        return teacher(x)
+
+
 def _ema_worker(rank: int, world_size: int) -> dict[str, Any]:
     """A student under DDP and its EMA copy (a teacher, run in train mode under no_grad each step), both on a subgroup
     made by new_group: the copy synchronizes over the same group object; each step's teacher output and running
@@ -679,13 +693,7 @@ def _ema_worker(rank: int, world_size: int) -> dict[str, Any]:
     outputs, stats = [], []
     for step in range(3):
         x = torch.randn(3 + rank, 4, generator=torch.Generator().manual_seed(10 * step + rank))
-        optimizer.zero_grad()
-        ddp(x).square().sum().backward()
-        optimizer.step()
-        with torch.no_grad():
-            for t, s in zip(teacher.parameters(), student.parameters()):
-                t.lerp_(s, 0.5)
-            outputs.append(teacher(x).double())
+        outputs.append(_ema_step(ddp, optimizer, student, teacher, x).double())
         assert teacher[1].last_transport == "distributed"
         stats.append([teacher[1].running_mean.double().clone(), teacher[1].running_var.double().clone()])
     loaded = pickle.loads(pickle.dumps(student[1]))  # torch.save pickles the same way
@@ -696,20 +704,14 @@ def _ema_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 def test_an_ema_copy_on_a_subgroup_keeps_the_group_and_equals_batchnorm_on_the_global_batch() -> None:
     results = run_distributed(_ema_worker, 2, timeout=60)
-    student, teacher = _teacher_net().double(), None
+    student = _teacher_net().double()
     teacher = copy.deepcopy(student)
     # DDP averages the ranks' gradients of their own losses: the global loss's gradient over the world size.
     optimizer = torch.optim.SGD(student.parameters(), lr=0.1 / 2)
     for step in range(3):
         xs = [torch.randn(3 + rank, 4, generator=torch.Generator().manual_seed(10 * step + rank)) for rank in (0, 1)]
         x = torch.cat(xs).double()
-        optimizer.zero_grad()
-        student(x).square().sum().backward()
-        optimizer.step()
-        with torch.no_grad():
-            for t, s in zip(teacher.parameters(), student.parameters()):
-                t.lerp_(s, 0.5)
-            out = teacher(x)
+        out = _ema_step(student, optimizer, student, teacher, x)
         for rank, expected in enumerate(out.split([3, 4])):
             # float32 layers against float64: float32 rounding of O(1) values over three steps.
             assert_close(results[rank]["outputs"][step], expected, f"teacher output, rank {rank}, step {step}",
