@@ -162,7 +162,8 @@ def test_user_graph_has_no_batch_norm_op_keeps_collectives_in_step_and_runs_no_p
         ours = {key.split("syncbn_dist/")[-1]: calls for key, calls in frames.items() if "syncbn_dist" in key}
         checks = {"comm/tags.py:_tag_checked", "comm/tags.py:verify"}
         assert set(ours) == checks and len(set(ours.values())) == 1, f"rank {rank}: {frames}"
-        # Once per collective on rank 0; rank 1's empty shard runs fewer of them in the profiled thread.
+        # Once per collective on rank 0. On rank 1, whose shard is empty, inductor drops the backward checks: nothing
+        # reads their output there (an empty grad_input). A known gap, left open: that rank's backward goes unchecked.
         assert ours["comm/tags.py:verify"] == result["collectives"] or rank == 1, f"rank {rank}: {frames}"
         assert ours["comm/tags.py:verify"] <= result["collectives"], f"rank {rank}: {frames}"
         assert sum(frames.values()) - sum(ours.values()) <= 2, f"rank {rank}: {frames}"
