@@ -293,31 +293,38 @@ class _NamedGroup(NamedTuple):
         return resolve_group(self.name)
 
 
-@torch.library.custom_op("syncbn_dist::tag_checked", mutates_args=())
-def _tag_checked(total: Tensor, tag_index: int, group_name: str) -> Tensor:
-    """``total`` (a summed payload) as a new tensor, after :meth:`CollectiveTag.verify` with the tag of
-    ``tag_index``: the check as one op of a compiled graph, whose output the graph uses (so it runs, in order). On a
-    mismatch the members of the group ``group_name`` gather their records, as eager mode's check does, so that a
-    member whose layer runs eagerly (Dynamo's fallback) and one whose layer runs compiled run the same collectives."""
-    _TAGS_BY_INDEX[tag_index].verify(total, _NamedGroup(group_name))
-    return total.clone()
+def _check_op(name: str) -> Any:
+    """A custom op ``syncbn_dist::<name>(total, tag_index, group_name) -> total`` that returns ``total`` (a summed
+    payload) as a new tensor after :meth:`CollectiveTag.verify` with the tag of ``tag_index``: the check as one op of
+    a compiled graph. On a mismatch the members of the group ``group_name`` gather their records, as eager mode's check
+    does, so that a member whose layer runs eagerly (Dynamo's fallback) and one whose layer runs compiled run the same
+    collectives."""
+
+    @torch.library.custom_op(f"syncbn_dist::{name}", mutates_args=())
+    def check(total: Tensor, tag_index: int, group_name: str) -> Tensor:
+        _TAGS_BY_INDEX[tag_index].verify(total, _NamedGroup(group_name))
+        return total.clone()
+
+    check.register_fake(lambda total, tag_index, group_name: torch.empty_like(total))
+    check.register_autograd(lambda ctx, grad: (grad, None, None))
+    return getattr(torch.ops.syncbn_dist, name).default
 
 
-@_tag_checked.register_fake
-def _(total: Tensor, tag_index: int, group_name: str) -> Tensor:
-    return torch.empty_like(total)
+# The forward's check, whose output the graph reads (the normalization and the running statistics), and the
+# backward's, which the compiler must keep where nothing reads it (an empty shard's grad_input): a side effect. (Not
+# the forward's: the partitioner would then move the forward's collectives into the backward graph.)
+_FORWARD_CHECK = _check_op("tag_checked")
+_BACKWARD_CHECK = _check_op("tag_checked_backward")
+torch.fx.node.has_side_effect(_BACKWARD_CHECK)
 
 
-_tag_checked.register_autograd(lambda ctx, grad: (grad, None, None))
-
-
-def checked_in_graph(total: Tensor, tag: TracedTag, group_name: str) -> Tensor:
+def checked_in_graph(total: Tensor, tag: TracedTag, group_name: str, backward: bool = False) -> Tensor:
     """:meth:`CollectiveTag.verify` of ``total`` inside a traced graph; returns the checked total, which the caller uses
     in place of ``total``: on the CPU the custom op ``syncbn_dist::tag_checked``, on CUDA ``torch._assert_async``
     with no host code (docs/compile.md, "How the graph stays whole and correct"). ``group_name``: the collective's
     process group, whose members gather their records on a mismatch (on the CPU)."""
     if not total.is_cuda:
-        return torch.ops.syncbn_dist.tag_checked(total, tag.index, group_name)
+        return (_BACKWARD_CHECK if backward else _FORWARD_CHECK)(total, tag.index, group_name)
     _, f, f_square, g, g_square = tag.values
     weights = total.new_tensor([f_square + g_square, -2.0 * f, 1.0, -2.0 * g, 1.0])
     discrepancy = (total[-TAG_SIZE:] * weights).sum()

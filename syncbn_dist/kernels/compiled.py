@@ -395,7 +395,7 @@ def layer_forward(
 
 
 def _traced_check(
-    tag: Any, input: Tensor, group_name: Optional[str]
+    tag: Any, input: Tensor, group_name: Optional[str], backward: bool = False
 ) -> tuple[Tensor, Optional[Callable[[Tensor], Tensor]]]:
     """The tag's values as a constant of the traced graph, and what checks a summed payload there
     (:func:`~syncbn_dist.comm.tags.checked_in_graph`; None for a collective without peers,
@@ -405,7 +405,7 @@ def _traced_check(
     values = torch.tensor((*tag.values, 0.0, 0.0, 0.0, 0.0), dtype=_F64, device=input.device)[:TAG_SIZE]
     if tag.index < 0 or group_name is None:
         return values, None
-    return values, functools.partial(checked_in_graph, tag=tag, group_name=group_name)
+    return values, functools.partial(checked_in_graph, tag=tag, group_name=group_name, backward=backward)
 
 
 def layer_backward(
@@ -416,7 +416,7 @@ def layer_backward(
     Returns ``(grad_input or None, sum(dy * x_hat), sum(dy), summed_tag)``, the (C,) local sums in the statistics
     dtype; traced into a user's graph as :func:`layer_forward` is."""
     if is_compiling():
-        tag_values, verify = _traced_check(tag, input, group_name)
+        tag_values, verify = _traced_check(tag, input, group_name, backward=True)
         return backward_region(
             grad_output, input, weight, mean, var, count, None, eps, clip, group_name, need_input, tag_values,
             staged=False, verify=verify,
