@@ -322,7 +322,8 @@ def checked_in_graph(total: Tensor, tag: TracedTag, group_name: str, backward: b
     """:meth:`CollectiveTag.verify` of ``total`` inside a traced graph; returns the checked total, which the caller uses
     in place of ``total``: on the CPU the custom op ``syncbn_dist::tag_checked``, on CUDA ``torch._assert_async``
     with no host code (docs/compile.md, "How the graph stays whole and correct"). ``group_name``: the collective's
-    process group, whose members gather their records on a mismatch (on the CPU)."""
+    process group, whose members gather their records on a mismatch (on the CPU); ``backward``: a backward's collective
+    (``syncbn_dist::tag_checked_backward``, which the compiler keeps where nothing reads its output)."""
     if not total.is_cuda:
         return (_BACKWARD_CHECK if backward else _FORWARD_CHECK)(total, tag.index, group_name)
     _, f, f_square, g, g_square = tag.values
