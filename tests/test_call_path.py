@@ -5,8 +5,9 @@ torch's ``nn/modules/batchnorm.py`` calls ``nn/functional.py`` and never the rev
 
 The calls are recorded with :func:`sys.setprofile` (and :func:`threading.setprofile` for the DataParallel replica
 threads) over real steps, the first (which compiles, with the compiled kernels) and a second one: DataParallel
-replicas in threads and a 2-rank gloo group, each on both kernel sets. A new call into a file above its caller fails
-here with the call named; if it is deliberate, the order below is what to change, with docs/design.md's map.
+replicas in threads (which run the native kernels in every mode) and a 2-rank gloo group on both kernel sets. A new
+call into a file above its caller fails here with the call named; if it is deliberate, the order below is what to
+change, with docs/design.md's map.
 """
 
 from __future__ import annotations
@@ -111,14 +112,9 @@ def test_the_order_catches_a_call_up() -> None:
     assert upward(downward) == []
 
 
-@pytest.mark.parametrize("kernels", ["native", "compiled"])
-def test_data_parallel_replicas_call_top_down(kernels: str, one_intra_op_thread: None) -> None:
-    syncbn_dist.set_kernels(kernels)
-    try:
-        model = syncbn_dist.DataParallelWithCallback(syncbn_dist.convert_model(_net()), cpu_replicas=2)
-        calls = _steps(model, torch.randn(8, 3, 8, 8))
-    finally:
-        syncbn_dist.set_kernels("native")
+def test_data_parallel_replicas_call_top_down(one_intra_op_thread: None) -> None:
+    model = syncbn_dist.DataParallelWithCallback(syncbn_dist.convert_model(_net()), cpu_replicas=2)
+    calls = _steps(model, torch.randn(8, 3, 8, 8))
     assert any(callee == "layer/exchange_functions.py" for _, _, callee, _ in calls)  # the path ran
     assert upward(calls) == []
 

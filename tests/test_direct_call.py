@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 from launch.common.spawn import run_distributed
-from syncbn_dist import settings
 from syncbn_dist.kernels import compiled as kernels
 from syncbn_dist.kernels import compiled_kernel
 from syncbn_dist.kernels.direct_call import DirectCall
@@ -171,23 +170,3 @@ def test_a_region_called_eagerly_under_an_active_dynamo_callback_is_not_traced()
     mode: traced, inductor's generated code failed to compile (its in-place functional all_reduce), a make bench
     ResNet run with the user's model compiled."""
     assert run_distributed(_eager_under_dynamo_worker, 2, timeout=240) == [True, True]
-
-
-def test_every_region_of_the_data_parallel_path_is_called_directly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Replica threads (CPU DataParallel) use the four region kernels of the replica exchange; each is called
-    directly after its first call. (normalize once returned its count as a view of its input, which AOTAutograd
-    rebuilds outside the graph, so it had no direct call.)"""
-    from syncbn_dist import DataParallelWithCallback, SynchronizedBatchNorm2d
-
-    fresh = {}
-    for name in ("_shard_payload", "_normalize", "_scaled_grad_and_reductions", "_payload_grad"):
-        fresh[name] = kernels._CompiledKernel(getattr(kernels, name).fn)
-        monkeypatch.setattr(kernels, name, fresh[name])
-    monkeypatch.setattr(settings, "_mode", "compiled")
-    with torch.enable_grad():
-        parallel = DataParallelWithCallback(SynchronizedBatchNorm2d(8), cpu_replicas=2)
-        x = torch.randn(8, 8, 4, 4, requires_grad=True)
-        for _ in range(2):
-            parallel(x).sum().backward()
-    for name, kernel in fresh.items():
-        assert [type(direct) for direct in kernel.direct.values()] == [DirectCall], name

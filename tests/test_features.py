@@ -301,7 +301,7 @@ def test_mixed_precision_local_matches_float64_batchnorm(precision: str) -> None
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-def test_mixed_precision_dataparallel_matches_float64_batchnorm(precision: str, kernel_mode: str) -> None:
+def test_mixed_precision_dataparallel_matches_float64_batchnorm(precision: str) -> None:
     model = _conv_bn(precision)
     wrapped = DataParallelWithCallback(model, cpu_replicas=2)
     record = _mixed_precision_steps(precision, model, wrapped, _local_batches(DP_BATCHES))
@@ -684,9 +684,7 @@ def test_checkpoint_local_updates_running_stats_once_and_matches(momentum: float
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_checkpoint_dataparallel_updates_running_stats_once_and_matches(
-    momentum: float | None, kernel_mode: str
-) -> None:
+def test_checkpoint_dataparallel_updates_running_stats_once_and_matches(momentum: float | None) -> None:
     block = _block(momentum)
     plain_block = copy.deepcopy(block)
     batches = _checkpoint_batches(DP_BATCHES + [5])

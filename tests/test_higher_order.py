@@ -270,7 +270,7 @@ def _run_replicas(model: nn.Module, parts: Sequence[Tensor]) -> Tensor:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("splits", [[3, 5], [2, 0, 5], [1, 3, 0, 4]])
 def test_higher_order_derivatives_through_data_parallel_replicas(
-    splits: list[int], one_intra_op_thread: None, kernel_mode: str
+    splits: list[int], one_intra_op_thread: None
 ) -> None:
     reference = _net()
     model = syncbn_dist.convert_model(copy.deepcopy(reference))

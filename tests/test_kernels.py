@@ -2,7 +2,8 @@
 
 - The switch: ``set_kernels`` and ``SYNCBN_DIST_KERNELS`` accept only the three modes; "auto" without a C++
   compiler warns once, names why, and runs the native kernels (bit for bit); "compiled" raises instead.
-- Replica threads meeting a new signature together compile it once, and their results are exact.
+- Threads meeting a new signature together compile it once, and their results are exact; DataParallel replicas run
+  the native kernels in every mode.
 - The default kernels are native: a DDP training step with nothing set compiles nothing (docs/compile.md, "The
   default kernels").
 - Compilation does not grow with the layers or the batch: a DDP model (whose forward the kernels' first compilation
@@ -39,6 +40,7 @@ from syncbn_dist import (
     set_kernels,
     settings,
 )
+from syncbn_dist.comm.tags import layer_tags
 from syncbn_dist.kernels import compiled as kernels
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -141,10 +143,19 @@ class warnings_as_errors:
         self._context.__exit__(*exc)
 
 
-def test_replica_threads_compile_a_new_signature_once_and_agree(
+_TAG = layer_tags("test", "test layer")[0]
+
+
+def _statistics(x: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor, Tensor]:
+    """The compiled forward region of ``x`` alone (a group of one): its output, mean and biased variance."""
+    out, mean, _, var, _, _ = kernels.layer_forward(x, None, None, eps, False, None, _TAG)
+    return out, mean, var
+
+
+def test_threads_compile_a_new_signature_once_and_agree(
     monkeypatch: pytest.MonkeyPatch, fresh_kernels: None
 ) -> None:
-    """Four threads call the payload kernel on a new signature at once (a barrier releases them together)."""
+    """Four threads call the forward region on a new signature at once (a barrier releases them together)."""
     monkeypatch.setenv(kernels.KERNELS_ENV, "compiled")
     gen = torch.Generator().manual_seed(3)
     shards = [torch.randn(n, 5, 7, generator=gen) * 0.5 + 1e4 for n in (3, 2, 4, 5)]
@@ -154,7 +165,7 @@ def test_replica_threads_compile_a_new_signature_once_and_agree(
     def run(i: int) -> None:
         barrier.wait()
         try:
-            results[i] = kernels.payload(shards[i])
+            results[i] = _statistics(shards[i])
         except BaseException as error:  # noqa: BLE001 - reported below, with the thread's own traceback
             results[i] = error
 
@@ -165,30 +176,26 @@ def test_replica_threads_compile_a_new_signature_once_and_agree(
         thread.join()
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, errors
-    assert kernels._shard_payload.graphs() == 1
-    for shard, payload in zip(shards, results):
+    assert kernels._forward_region.graphs() == 1
+    for shard, (_, mean, var) in zip(shards, results):
         x = shard.double()
-        expected = torch.cat([x.sum([0, 2]), x.square().sum([0, 2]), torch.tensor([x.numel() / x.size(1)])])
-        # float64 sums of float32 values about a shift: exact to float64 rounding of the O(n * 1e8) sum of squares.
-        assert_close(payload, expected, "payload", rtol=1e-14, atol=0.0)
+        # float64 sums of float32 values about a shift, rounded once to float32 statistics.
+        assert_close(mean, x.mean([0, 2]), "mean", rtol=1e-7, atol=0.0)
+        assert_close(var, x.var([0, 2], correction=0), "variance", rtol=1e-6, atol=0.0)
 
 
-@pytest.mark.parametrize("path", ["region", "replicas"])
-def test_an_inplace_activation_after_the_layer_trains_as_on_the_native_kernels(
-    path: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_inplace_activation_after_the_layer_trains_as_on_the_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled output is a tensor of its own, not a view (autograd forbids modifying a view made inside a custom
-    Function in place): conv -> layer -> ReLU(inplace=True), on the region path (clip mode, no peers) and through
-    DataParallel replicas, equals the native kernels' step."""
+    Function in place): conv -> layer -> ReLU(inplace=True), on the region path (clip mode, no peers), equals the
+    native kernels' step."""
     results = []
     for mode in ("native", "compiled"):
         monkeypatch.setenv(kernels.KERNELS_ENV, mode)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 4, 3), SyncBatchNorm(4), nn.ReLU(inplace=True))
-        model[1].eps_mode = "clip" if path == "region" else None
-        runner = model if path == "region" else DataParallelWithCallback(model, cpu_replicas=2)
+        model[1].eps_mode = "clip"
         x = torch.randn(6, 3, 7, 7, generator=torch.Generator().manual_seed(1))
-        runner(x).square().sum().backward()
+        model(x).square().sum().backward()
         results.append([model[0].weight.grad, model[1].weight.grad, model[1].running_var])
     for native, compiled, what in zip(*results, ["conv weight grad", "layer weight grad", "running_var"]):
         # Two float32 kernel sets summing in different orders: the conv weight gradient sums 150 products of O(1)
@@ -197,11 +204,11 @@ def test_an_inplace_activation_after_the_layer_trains_as_on_the_native_kernels(
 
 
 @pytest.mark.parametrize("ndim", [4, 5])
-def test_compiled_replicas_keep_channels_last_and_equal_float64_batchnorm(
-    ndim: int, monkeypatch: pytest.MonkeyPatch
+def test_replicas_in_compiled_mode_compile_nothing_keep_channels_last_and_equal_float64_batchnorm(
+    ndim: int, monkeypatch: pytest.MonkeyPatch, fresh_kernels: None
 ) -> None:
-    """DataParallel replicas on the compiled kernels: outputs and input gradients keep the channels-last layout
-    (no dispatch mode watching, which would send the layer to the native ops), with global-batch values."""
+    """DataParallel replicas run the native kernels in every mode (no step figure justified compiled ones there):
+    nothing compiles, outputs and input gradients keep the channels-last layout, with global-batch values."""
     monkeypatch.setenv(kernels.KERNELS_ENV, "compiled")
     fmt = torch.channels_last if ndim == 4 else torch.channels_last_3d
     layer = (SynchronizedBatchNorm2d if ndim == 4 else SynchronizedBatchNorm3d)(3)
@@ -215,6 +222,7 @@ def test_compiled_replicas_keep_channels_last_and_equal_float64_batchnorm(
     out.backward(dy_global.float().contiguous(memory_format=fmt))
     x_ref = x_global.clone().requires_grad_()
     reference(x_ref).backward(dy_global)
+    assert all(kernel.graphs() == 0 for kernel in kernels.COMPILED_KERNELS)  # the fixture's fresh ones
     assert out.is_contiguous(memory_format=fmt) and x.grad.is_contiguous(memory_format=fmt)
     # |x| / std ~ 330: the float32 input and mean are 2^-24 * 330 off in normalized units, times a few roundings.
     assert_close(out, F.batch_norm(x_global, None, None, training=True), "output", rtol=0.0, atol=1e-4)
@@ -249,10 +257,7 @@ def test_half_precision_statistics_are_float32_exact_at_a_large_mean_and_a_long_
     gen = torch.Generator().manual_seed(6)
     for dtype in (torch.float16, torch.bfloat16):
         x = (torch.randn(3, 2, 1 << 19, generator=gen) + 100.0).to(dtype)
-        total = kernels.payload(x)
-        count = total[-1]
-        mean = total[:2] / count
-        var = total[2:4] / count - mean.square()
+        _, mean, var = _statistics(x)
         exact = x.double()
         assert_close(mean, exact.mean([0, 2]), f"{dtype} mean", rtol=1e-6, atol=0.0)
         # var is 1e-4 of mean**2: the float64 subtraction keeps it; the float32 row sums give ~1e-7 of it.
@@ -269,10 +274,9 @@ def test_sizes_equal_at_the_first_call_do_not_recompile_later_ones(
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for batch in [3, *range(4, 16)]:
         x = torch.randn(batch, 3, 5, generator=gen)
-        expected = torch.cat([x.double().sum([0, 2]), x.double().square().sum([0, 2]), torch.tensor([5.0 * batch])])
-        # float64 sums of float32 values about a shift: exact to float64 rounding.
-        assert_close(kernels.payload(x), expected, f"payload, batch {batch}", rtol=1e-13, atol=1e-13)
-    assert kernels._shard_payload.graphs() == 1
+        # float64 sums of float32 values about a shift, rounded once to the float32 mean.
+        assert_close(_statistics(x)[1], x.double().mean([0, 2]), f"mean, batch {batch}", rtol=0.0, atol=1e-7)
+    assert kernels._forward_region.graphs() == 1
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
 
 
@@ -283,11 +287,10 @@ def test_eps_is_a_constant_of_its_graph(monkeypatch: pytest.MonkeyPatch, fresh_k
     x = torch.randn(6, 3, 5, generator=torch.Generator().manual_seed(5)) * 0.01  # var ~ 1e-4: eps shows
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for eps in (1e-5, 1e-3, 1e-5):
-        out = kernels.normalized(x, kernels.payload(x), None, None, eps, False)
         expected = F.batch_norm(x.double(), None, None, training=True, eps=eps)
-        assert_close(out, expected, f"eps {eps}", rtol=0.0, atol=1e-5)
-    assert kernels._normalize.graphs() == 2 and kernels._shard_payload.graphs() == 1
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 3
+        assert_close(_statistics(x, eps)[0], expected, f"eps {eps}", rtol=0.0, atol=1e-5)
+    assert kernels._forward_region.graphs() == 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
 
 
 # ResNet-50's BatchNorm layers (torchvision's resnet50: the stem, then 3, 4, 6, 3 bottlenecks of
@@ -388,13 +391,6 @@ def test_resnet50_layers_over_three_batch_sizes_compile_one_graph_per_direction(
         # The default is native: a short job's first step pays no compilation, on this thread or any other.
         assert result["default"] == {"mode": "native", "graphs": 0, "frames": 0, "transport": "distributed"}
         assert result["layers"] == 53
-        assert result["graphs"] == {
-            "forward_region": 1,
-            "backward_region": 1,
-            "shard_payload": 0,
-            "normalize": 0,
-            "scaled_grad_and_reductions": 0,
-            "payload_grad": 0,
-        }
+        assert result["graphs"] == {"forward_region": 1, "backward_region": 1}
         assert result["frames"] == 2  # Dynamo compiled two frames in all: no recompilation either
         assert result["after_user_compile"] == result["graphs"]

@@ -227,20 +227,12 @@ def _check_replica_steps(
             assert sync.running_mean is None and sync.running_var is None
 
 
-# Every config on the native kernels; on the compiled ones the two the kernels see differently (affine parameters or
-# ones in their place): running statistics and momentum are the module's, the same code on both kernel sets.
-CONFIGS_AND_KERNELS = [(config, "native") for config in CONFIGS] + [
-    ("default", "compiled"),
-    ("no-affine", "compiled"),
-]
-
-
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("config, kernel_mode", CONFIGS_AND_KERNELS, indirect=["kernel_mode"])
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("splits", list(SPLITS))
 def test_replicas_match_batchnorm_on_the_concatenated_batch(
-    splits: str, layout: str, config: str, kernel_mode: str
+    splits: str, layout: str, config: str
 ) -> None:
     sync, ref = _pair(layout, **CONFIGS[config])
     _check_replica_steps(sync, ref, SPLITS[splits], LAYOUTS[layout][2], steps=3, mean=0.5)
@@ -252,7 +244,7 @@ def test_replicas_match_batchnorm_on_the_concatenated_batch(
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("splits", ["3-uneven", "4-uneven-empty"])
 def test_replicas_large_mean_keep_running_var_to_1e_6(
-    splits: str, layout: str, data_scale: float, momentum: float | None, kernel_mode: str
+    splits: str, layout: str, data_scale: float, momentum: float | None
 ) -> None:
     sync, ref = _pair(layout, momentum=momentum)
     _check_replica_steps(sync, ref, SPLITS[splits], LAYOUTS[layout][2], steps=2, mean=data_scale, data_scale=data_scale)
@@ -438,7 +430,7 @@ def _sync_and_reference(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 @pytest.mark.parametrize("cpu_replicas", [2, 3, 4])
 @pytest.mark.parametrize("net", ["mlp", "convnet"])
 def test_data_parallel_with_callback_sgd_steps_equal_single_process_batchnorm(
-    net: str, cpu_replicas: int, kernel_mode: str
+    net: str, cpu_replicas: int
 ) -> None:
     model = _mlp() if net == "mlp" else _convnet()
     in_shape = (5,) if net == "mlp" else (2, 3, 3)
@@ -797,7 +789,7 @@ def _check_hierarchical_data_parallel_with_callback(rank: int) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_hierarchical_processes_times_thread_replicas_over_gloo(kernel_mode: str) -> None:
+def test_hierarchical_processes_times_thread_replicas_over_gloo() -> None:
     run_distributed(_hierarchical_worker, 2, timeout=200)
 
 

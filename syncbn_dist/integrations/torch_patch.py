@@ -78,9 +78,6 @@ class _TorchLayerView(SyncBatchNorm):
         name = self.__dict__.get("_qualified_name") or "<unnamed>"
         return f"layer '{name}' ({type(self._layer).__name__})"
 
-    def _agreement_owner(self) -> nn.Module:
-        return self._layer
-
 
 def _view(layer: nn.SyncBatchNorm) -> _TorchLayerView:
     """A :class:`_TorchLayerView` sharing ``layer.__dict__``, after adding syncbn_dist's per-layer state to it."""

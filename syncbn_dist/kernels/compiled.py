@@ -3,11 +3,11 @@ r"""The synchronized layer's per-element work as one Python source that ``torch.
 Four passes, 8 activation accesses per element (32 B per float32 element, no float64 copy): forward
 :func:`shard_payload` and :func:`normalize`, backward :func:`grad_reductions` and :func:`grad_input`. Over a process
 group each direction is one compiled region with torch's functional all_reduce inside (:func:`forward_region`,
-:func:`backward_region`); the DataParallel exchange calls the pieces with its exchange between them. The same source
-is what a user's ``torch.compile`` traces into its graph (:func:`layer_forward`, :func:`layer_backward`), on every
-device. Which eager calls take these kernels: :func:`takes_compiled_kernels` (``syncbn_dist.set_kernels``). The
-design, the exactness argument (shifted float64 sums, Chan et al. 1979) and what inductor needed, with their
-measurements: docs/design.md, "Compiled kernels"; docs/compile.md.
+:func:`backward_region`); DataParallel replicas run the native kernels in every mode. The same source is what a
+user's ``torch.compile`` traces into its graph (:func:`layer_forward`, :func:`layer_backward`), on every device.
+Which eager calls take these kernels: :func:`takes_compiled_kernels` (``syncbn_dist.set_kernels``). The design, the
+exactness argument (shifted float64 sums, Chan et al. 1979) and what inductor needed, with their measurements:
+docs/design.md, "Compiled kernels"; docs/compile.md.
 """
 
 from __future__ import annotations
@@ -261,31 +261,6 @@ def grad_input(
     return dx.to(x.dtype), a, b, c
 
 
-def scaled_grad_and_reductions(
-    dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, ones: Optional[Tensor], eps: float
-) -> tuple[Tensor, ...]:
-    """``weight * invstd * dy`` in ``dy``'s dtype with this shard's ``[sum(dy), sum(dy * x_hat)]`` as (2C,) float64,
-    from one pass over ``dy`` and ``x`` (the DataParallel path's ``_Normalize`` backward). Returns
-    ``(scaled, reductions, scale)``."""
-    reductions = grad_reductions(dy, x, mean, var, ones, eps)
-    dtype = _stat_dtype(x)
-    scale = invstd_and_scale(var.to(_F64), eps, weight)[1].to(dtype)
-    return (dy.to(dtype) * scale.view(_channel_shape(x))).to(dy.dtype), reductions, scale
-
-
-def payload_grad(
-    grad_alias: Tensor, x: Tensor, grad_sum: Tensor, grad_sumsq: Tensor, mean: Tensor
-) -> tuple[Tensor, ...]:
-    """``grad_alias + g_sum + 2 x g_sumsq``, the gradient through :func:`shard_payload` (the DataParallel path's
-    ``_LocalPayload`` backward), as ``grad_alias + (x - mean) * a + b`` about the global ``mean`` so that a large
-    mean does not cancel. Returns ``(grad_input, a, b)``."""
-    dtype, shape = _stat_dtype(x), _channel_shape(x)
-    a = (2.0 * grad_sumsq).to(dtype)
-    b = torch.addcmul(grad_sum, mean.to(_F64), grad_sumsq, value=2.0).to(dtype)
-    grad = grad_alias.to(dtype) + (x.to(dtype) - mean.to(dtype).view(shape)) * a.view(shape) + b.view(shape)
-    return grad.to(grad_alias.dtype), a, b
-
-
 def forward_region(
     x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, clip: bool, group_name: Optional[str],
     tag: Optional[Tensor] = None, *, staged: bool = True, verify: Optional[Callable[[Tensor], Tensor]] = None,
@@ -333,13 +308,7 @@ def backward_region(
 
 _forward_region = _CompiledKernel(forward_region)
 _backward_region = _CompiledKernel(backward_region)
-_shard_payload = _CompiledKernel(shard_payload)
-_normalize = _CompiledKernel(normalize)
-_scaled_grad_and_reductions = _CompiledKernel(scaled_grad_and_reductions)
-_payload_grad = _CompiledKernel(payload_grad)
-COMPILED_KERNELS = (
-    _forward_region, _backward_region, _shard_payload, _normalize, _scaled_grad_and_reductions, _payload_grad
-)
+COMPILED_KERNELS = (_forward_region, _backward_region)
 
 
 # The entry points of syncbn_dist.layer.functions: each views the (N, C, *) tensors as detached (N, C, L) (one graph
@@ -427,39 +396,3 @@ def layer_backward(
         need_input, tag.tail(x.device, None),
     )
     return None if dx is None else _in_shape_of(dx, input), sum_dy_xhat, sum_dy, summed_tag
-
-
-def payload(input: Tensor, tag: Optional[Any] = None) -> Tensor:
-    """:func:`shard_payload` compiled: the (2C + 6,) float64 ``[sum(x), sum(x**2), count, tag]`` of one shard
-    (``tag``: the collective's :class:`~syncbn_dist.comm.tags.CollectiveTag`; None: (2C + 1,), untagged)."""
-    x = _as_3d(input)
-    return _shard_payload(x, None if tag is None else tag.tail(x.device, None))[0]
-
-
-def normalized(
-    input: Tensor, total: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, clip: bool
-) -> Tensor:
-    """:func:`normalize` compiled: the output in the input's shape, dtype and memory format."""
-    x = _as_3d(input)
-    y = _normalize(x, total.detach(), _affine(weight, x, 1.0), _affine(bias, x, 0.0), eps, clip)[0]
-    return _in_shape_of(y, input)
-
-
-def scaled_grad(
-    grad_output: Tensor, input: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`scaled_grad_and_reductions` compiled: ``(weight * invstd * dy, sum(dy), sum(dy * x_hat))``, the sums
-    (C,) float64; ``grad_output`` in the input's memory format."""
-    x = _as_3d(input)
-    scaled, reductions, _ = _scaled_grad_and_reductions(
-        _as_3d(grad_output), x, _affine(weight, x, 1.0), mean, var, channel_ones(x), eps
-    )
-    sum_dy, sum_dy_xhat = reductions.chunk(2)
-    return _in_shape_of(scaled, input), sum_dy, sum_dy_xhat
-
-
-def grad_through_payload(
-    grad_alias: Tensor, input: Tensor, grad_sum: Tensor, grad_sumsq: Tensor, mean: Tensor
-) -> Tensor:
-    """:func:`payload_grad` compiled; ``grad_alias`` in the input's memory format."""
-    return _in_shape_of(_payload_grad(_as_3d(grad_alias), _as_3d(input), grad_sum, grad_sumsq, mean)[0], input)

@@ -1,8 +1,8 @@
 """Whether the running code is being traced by ``torch.compile``, per thread.
 
 ``torch.compiler.is_compiling()`` reads one process-wide flag that Dynamo holds for the whole of a compilation. A
-DataParallel replica thread that compiles a kernel (:mod:`syncbn_dist.kernels`) for a new shape therefore makes it
-True in the other replica threads, which are running the layer eagerly at the same time, and would send them down the
+DataParallel replica thread that compiles (a user's compiled submodule, a new shape) therefore makes it True in the
+other replica threads, which are running the layer eagerly at the same time, and would send them down the
 traced-graph branches (agreement checks at trace time, in-graph assertions). :func:`is_compiling` is the flag for
 the layer's own code: False in a thread that runs a replica's eager forward (:func:`eager_replica_thread`), whose
 code ``torch.compile`` never traces, and the flag elsewhere.

@@ -468,10 +468,6 @@ class SyncBatchNorm(_BatchNorm):
         name = self.__dict__.get("_qualified_name") or "<unnamed>"
         return f"layer '{name}' ({type(self).__name__})"
 
-    def _agreement_owner(self) -> nn.Module:
-        """The module whose ``__dict__`` holds this layer's agreement (comm.agreement.agreement_of)."""
-        return self
-
     def _describe_replica(self) -> str:
         exchange = self._replica_exchange
         copy_id = exchange.identifier if isinstance(exchange, SlavePipe) else 0

@@ -5,8 +5,8 @@ autograd thread for all replicas, where no exchange between them could happen, s
 autograd edge (:class:`syncbn_dist.comm.DataParallelTransport`), and each Function has the true vector-Jacobian
 product of its forward. The gradient of the global payload, summed by the exchange, carries the cross-replica terms
 back (docs/design.md, "Higher-order derivatives"). The process-group path is one Function
-(:mod:`syncbn_dist.layer.functions`); both take the same math from :mod:`syncbn_dist.kernels.native` and
-:mod:`syncbn_dist.kernels.compiled`.
+(:mod:`syncbn_dist.layer.functions`); this path runs the native kernels (:mod:`syncbn_dist.kernels.native`) in every
+kernel mode.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from torch.autograd import Function
 
 from ..comm.tags import TAG_SIZE
 from ..comm.transport import Transport
-from ..kernels import compiled as kernels
 from ..kernels.compiled import _channel_shape, _reduced_dims, _stat_dtype
 from ..kernels.native import (
     _as_stat,
@@ -37,15 +36,15 @@ __all__: list[str] = []
 
 
 class _BackwardLink:
-    """What the call's two Functions share: the kernel choice, the collective tags (forward, backward), the transport
+    """What the call's two Functions share: the collective tags (forward, backward), the transport
     (whose ``agreement_group`` can name every member's collective on a mismatch), and the global statistics, filled by
     the caller after the exchange and read by ``_LocalPayload.backward`` (they are known only after
     ``_LocalPayload.forward`` ran)."""
 
-    __slots__ = ("compiled", "tags", "transport", "mean", "var", "eps")
+    __slots__ = ("tags", "transport", "mean", "var", "eps")
 
-    def __init__(self, compiled: bool, tags: tuple[Any, Any], transport: Any) -> None:
-        self.compiled, self.tags, self.transport = compiled, tags, transport
+    def __init__(self, tags: tuple[Any, Any], transport: Any) -> None:
+        self.tags, self.transport = tags, transport
         self.mean: Optional[Tensor] = None
         self.var: Optional[Tensor] = None
         self.eps = 0.0
@@ -64,8 +63,6 @@ class _LocalPayload(Function):
 
     @staticmethod
     def forward(input: Tensor, link: _BackwardLink) -> tuple[Tensor, Tensor]:
-        if link.compiled:
-            return kernels.payload(input, link.tags[0]), input.view_as(input)
         return _local_payload(input, False, link.tags[0]), input.view_as(input)
 
     @staticmethod
@@ -98,9 +95,6 @@ class _LocalPayload(Function):
         if input.numel() == 0:
             return grad_alias, None
         mean, var = link.mean, link.var
-        if link.compiled:
-            grad_alias = _like_input(grad_alias, input)
-            return kernels.grad_through_payload(grad_alias, input, grad_sum, grad_sumsq, mean), None
         # (x - mean) * rsqrt(var + eps) * W + B with W = 2 g_sumsq sqrt(var + eps) and B = g_sum + 2 mean g_sumsq.
         weight = (2.0 * grad_sumsq * torch.sqrt(var.to(COMBINE_DTYPE) + link.eps)).to(mean.dtype)
         bias = torch.addcmul(grad_sum, mean.to(COMBINE_DTYPE), grad_sumsq, value=2.0).to(mean.dtype)
@@ -131,14 +125,12 @@ class _Normalize(Function):
         clipped: Optional[Tensor],
         link: _BackwardLink,
     ) -> Tensor:
-        if link.compiled:
-            return kernels.normalized(input, total, weight, bias, eps, clipped is not None)
         return _batch_norm_inference(input, _as_stat(weight, mean), _as_stat(bias, mean), mean, var, eps)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         input, weight, bias, total, mean, var, eps, clipped, link = inputs
-        ctx.eps, ctx.clipped, ctx.compiled, ctx.link = eps, clipped, link.compiled, link
+        ctx.eps, ctx.clipped, ctx.link = eps, clipped, link
         ctx.param_dtype = mean.dtype if weight is None else weight.dtype
         ctx.save_for_backward(input, weight, bias, total, mean, var)
         ctx.save_for_forward(input, weight, total, mean, var)
@@ -180,10 +172,7 @@ class _Normalize(Function):
             return (*_recorded_normalize_backward(ctx, grad_output), None, None, None, None, None)
         grad_output = _like_input(grad_output, input)
         eps = ctx.eps
-        if ctx.compiled:
-            scaled, sum_dy, sum_dy_xhat = kernels.scaled_grad(grad_output, input, weight, mean, var, eps)
-        else:
-            scaled, sum_dy, sum_dy_xhat = _scaled_grad_and_reductions(grad_output, input, weight, mean, var, eps)
+        scaled, sum_dy, sum_dy_xhat = _scaled_grad_and_reductions(grad_output, input, weight, mean, var, eps)
         grad_weight = sum_dy_xhat.to(ctx.param_dtype) if ctx.needs_input_grad[1] else None
         grad_bias = sum_dy.to(ctx.param_dtype) if ctx.needs_input_grad[2] else None
         grad_total = None
@@ -240,13 +229,11 @@ def _sync_batch_norm_differentiable(
     eps: float,
     eps_mode: str,
     transport: Transport,
-    compiled: bool,
     tags: tuple[Any, Any],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The two-Function path around a differentiable transport edge (DataParallel replicas); ``compiled``: the call's
-    kernel choice (:func:`~syncbn_dist.kernels.compiled.takes_compiled_kernels`), made once for its four passes;
-    ``tags``: the forward's and backward's :class:`~syncbn_dist.comm.tags.CollectiveTag`, verified on every total."""
-    link = _BackwardLink(compiled, tags, transport)
+    """The two-Function path around a differentiable transport edge (DataParallel replicas); ``tags``: the forward's
+    and backward's :class:`~syncbn_dist.comm.tags.CollectiveTag`, verified on every total."""
+    link = _BackwardLink(tags, transport)
     payload, alias = _LocalPayload.apply(input, link)
     (total,) = transport.all_reduce([payload], tags=(*tags, False))
     with torch.no_grad():

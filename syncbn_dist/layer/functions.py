@@ -302,9 +302,8 @@ def _sync_batch_norm(
     """:func:`sync_batch_norm`, ``compiling`` being the caller's :func:`is_compiling` (the layer asks once)."""
     # An exchange unless the transport says otherwise (syncbn_dist.comm.transport).
     if getattr(transport, "differentiable_exchange", True):
-        output, mean, unbiased_var = _sync_batch_norm_differentiable(
-            input, weight, bias, eps, eps_mode, transport, kernels.takes_compiled_kernels(input, compiling), tags
-        )
+        args = (input, weight, bias, eps, eps_mode, transport, tags)
+        output, mean, unbiased_var = _sync_batch_norm_differentiable(*args)
     else:
         args = (input, weight, bias, eps, eps_mode, transport, _kernel_choice(input, transport, compiling), tags)
         if compiling:
