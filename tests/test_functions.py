@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from moments import combine_moments, local_moments
 from torch import Tensor
 
-from syncbn_dist.layer.functions import LEAN_MIN_NUMEL, sync_batch_norm
+from syncbn_dist.kernels.native import LEAN_MIN_NUMEL
+from syncbn_dist.layer.functions import sync_batch_norm
 
 SHAPES = [(6, 3), (5, 3, 4), (4, 3, 3, 2), (3, 2, 2, 3, 2)]
 

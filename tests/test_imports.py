@@ -170,7 +170,7 @@ def marks():
         hasattr(SyncBatchNorm._eager_sync_forward, "_torchdynamo_disable"),
         hasattr(_CompiledKernel.__call__, "_torchdynamo_disable"),
         getattr(tracing._in_eager_replica, "_dynamo_marked_constant", False),
-        getattr(agreement._verify_once, "_dynamo_marked_constant", False),
+        getattr(agreement.verify_while_tracing, "_dynamo_marked_constant", False),
     ]
 
 loaded = sorted({{name for name in sys.modules if name.startswith(("torch._dynamo", "torch._inductor"))}})

@@ -33,7 +33,7 @@ import syncbn_dist
 from launch.common.counting import BytesCounter, OpCounter, count_layer
 from launch.common.spawn import run_distributed
 from syncbn_dist import DataParallelWithCallback, SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, set_sbn_eps_mode
-from syncbn_dist.layer.functions import LEAN_MIN_NUMEL
+from syncbn_dist.kernels.native import LEAN_MIN_NUMEL
 
 # Forward: the module's num_batches_tracked (1); the payload: the float64 copy, its statistics, and
 # [mean, var + mean**2, 1, tag] with its first 2C + 1 values scaled by the count (6); the all_reduce and the slice of

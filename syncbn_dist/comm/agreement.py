@@ -1,12 +1,8 @@
-"""The agreement check: the members of a group are at the same synchronized collective, or all of them raise.
-
-Every collective carries its layer's and direction's tag, checked on arrival (:mod:`syncbn_dist.comm.tags`). The
-group's first step is also checked before each collective by one ``all_gather`` of a short record per member (layer,
-num_features, dtype, direction, traced or eager, this member's input error): it catches what a tag cannot, payloads
-of other sizes (which abort gloo), a compiled rank beside an eager one, a bad input on one rank. Which collectives
-are gathered depends only on the group's history (:class:`_Window`), so ranks decide alike; under ``torch.compile``
-a frame's first compilation checks while Dynamo traces; debug mode (:func:`syncbn_dist.set_debug`) gathers and
-numbers every collective. docs/design.md, "Every collective checks itself".
+"""The gather check: before a collective of a group's first step (every one in debug mode), one ``all_gather`` of a
+short record per member (layer, num_features, dtype, direction, traced or eager, an input error) catches what a tag
+cannot: payloads of other sizes (which abort gloo), a compiled rank beside an eager one, a bad input on one rank.
+Which collectives are gathered depends only on the group's history (:class:`_Window`), so ranks decide alike.
+docs/design.md, "Every collective checks itself".
 """
 
 from __future__ import annotations
@@ -46,8 +42,7 @@ def _world_if_none(group: Optional[Any]) -> Any:
 
 class _Window:
     """Which collectives of one process group the gather checks: every eager one while ``state`` is "open" (the
-    group's first step), none once "closed"; ``seen``: the collectives checked, eager or traced (see the module
-    docstring)."""
+    group's first step), none once "closed"; ``seen``: those checked, eager or traced."""
 
     __slots__ = ("state", "seen", "first_layer")
 
@@ -84,16 +79,12 @@ def check_due(group: Optional[Any]) -> bool:
 
 
 class LayerAgreement:
-    """A synchronized layer's memory of its agreement checks (shared by its DataParallel replicas).
-
-    ``settled`` is the transport and dtype of the layer's last call that needed no gather: the steady state's test, two
-    identity comparisons (the transport is the cached one of its group, replaced when the groups change). A copy of the
-    layer (``copy.deepcopy``, pickling) starts with none.
-    """
+    """A synchronized layer's memory of its agreement checks (shared by its DataParallel replicas; a copy starts
+    empty): ``settled``, the transport and dtype of its last call that needed no gather (the steady state's test, two
+    identity comparisons), and its tags by direction."""
 
     def __init__(self) -> None:
         self.settled: Optional[tuple[Any, torch.dtype]] = None
-        # The layer's collective tags by direction (syncbn_dist.comm.tags.tag_for), kept here to skip the lookup.
         self.tags: dict[tuple[str, Optional[str]], Any] = {}
 
     def __reduce__(self) -> tuple[type[LayerAgreement], tuple[()]]:
@@ -116,7 +107,7 @@ def verify(
         tag: the collective's :class:`~syncbn_dist.comm.tags.CollectiveTag` (its layer identity and direction).
         key: what else must agree, short text (num_features and dtype).
         description: names the layer in the error (its qualified name and class).
-        traced: whether ``torch.compile`` traces this call (see the module docstring).
+        traced: whether ``torch.compile`` traces this call.
         error: why this member's input is bad (its own error is raised by the caller after the check), or None.
 
     Raises:
@@ -157,10 +148,8 @@ def _advice(records: list[list[str]]) -> str:
 
 
 class CheckedTransport:
-    """A layer's transport over a process group that runs the gather check before each of its collectives while
-    :func:`check_due` says so (the group's first step, or debug mode), and is the plain transport otherwise.
-
-    Its ``sum_`` checks, then sums; a compiled region, whose collective runs inside it, calls :meth:`check` first.
+    """A layer's transport over a process group that runs the gather check before each collective while
+    :func:`check_due` says so; a compiled region, whose collective runs inside it, calls :meth:`check` first.
 
     Args:
         transport: the layer's :class:`~syncbn_dist.comm.DistributedTransport` or ``JoinTransport``.
@@ -208,8 +197,8 @@ class CheckedTransport:
 
 
 def agreement_of(layer: Any) -> LayerAgreement:
-    """The :class:`LayerAgreement` of ``layer`` (a module, kept in its ``__dict__`` so that DataParallel replicas share
-    it), made on first use: always eagerly, never in code ``torch.compile`` traces."""
+    """The :class:`LayerAgreement` in ``layer.__dict__`` (so DataParallel replicas share it), made on first use,
+    eagerly."""
     state = layer.__dict__
     agreement = state.get("_agreement")
     if agreement is None:
@@ -218,10 +207,10 @@ def agreement_of(layer: Any) -> LayerAgreement:
 
 
 def verify_while_tracing(group_name: str, identity: str, forward: str, key: str, description: str) -> Any:
-    """The gather check of a layer that ``torch.compile`` traces, run once, eagerly, while Dynamo traces it (every
-    member traces a frame's first compilation before its graph runs a collective, so all of them gather). Only a
-    frame's first compilation checks, and only layers the group has not checked yet (a recompilation on one rank
-    gathers nothing); tracing ends the group's eager first step on this rank. Debug mode runs the layer eagerly.
+    """The gather check of a layer that ``torch.compile`` traces, run eagerly while Dynamo traces it (marked
+    ``assume_constant_result``: Dynamo keeps only the result). Only a frame's first compilation checks, and only layers
+    the group has not checked (every member traces that before its graph runs a collective; a recompilation on one
+    rank gathers nothing); tracing ends the group's eager first step on this rank.
 
     Args:
         group_name: the process group's name (Dynamo hands groups themselves over as fake objects, names as text).
@@ -237,12 +226,6 @@ def verify_while_tracing(group_name: str, identity: str, forward: str, key: str,
     Raises:
         LayerMismatchError: as :func:`verify`, at compile time, on every member.
     """
-    return _verify_once(group_name, identity, forward, key, description)
-
-
-def _verify_once(group_name: str, identity: str, forward: str, key: str, description: str) -> Any:
-    # assume_constant_result: dynamo calls this while tracing, with the real arguments, and keeps only the result (the
-    # tags' numbers and values); the windows and tags are plain Python state, which the traced code never sees.
     forward_tag, backward_tag = layer_tags(identity, description, forward)
     group = resolve_group(group_name)
     window = _window(group)
@@ -257,4 +240,4 @@ def _verify_once(group_name: str, identity: str, forward: str, key: str, descrip
     return (*traced_constants(forward_tag), *traced_constants(backward_tag))
 
 
-when_dynamo_loads(lambda: torch.compiler.assume_constant_result(_verify_once))
+when_dynamo_loads(lambda: torch.compiler.assume_constant_result(verify_while_tracing))

@@ -1,14 +1,9 @@
-r"""The synchronized batch-norm autograd Functions and :func:`sync_batch_norm`, over any transport.
+r"""The process-group autograd Function and :func:`sync_batch_norm`, the entry point of every synchronized forward.
 
-One float64 collective per direction, whatever the transport: forward ``[sum(x), sum(x**2), count, tag]``, backward
-``[sum(dy), sum(dy * x_hat), 0, tag]`` (2C + 6 values each), from which every member forms the global-batch
-statistics and ``grad_input`` (:mod:`syncbn_dist.kernels.statistics`). The per-element work runs on the native ops
-(:mod:`syncbn_dist.kernels.native`) or one compiled region per direction (:mod:`syncbn_dist.kernels.compiled`, also
-what a user's ``torch.compile`` traces). Two autograd shapes share it: :class:`_SyncBatchNormFunction` for transports
-that sum inside a Function (``torch.distributed``), and ``_LocalPayload`` -> ``transport.all_reduce`` ->
-``_Normalize`` (:mod:`syncbn_dist.layer.exchange_functions`) for a differentiable exchange (DataParallel replicas,
-whose backward runs in one thread). Higher-order derivatives are exact on both: docs/design.md, "Higher-order
-derivatives".
+One float64 collective per direction: forward ``[sum(x), sum(x**2), count, tag]``, backward ``[sum(dy), sum(dy *
+x_hat), 0, tag]`` (2C + 6 values each), on the native ops or one compiled region per direction. A differentiable
+exchange (DataParallel replicas) takes :mod:`syncbn_dist.layer.exchange_functions` instead. docs/design.md, "The
+statistics" and "Higher-order derivatives".
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ from ..comm.transport import UNREACHABLE, Transport
 from ..kernels import compiled as kernels
 from ..kernels.compiled import NATIVE, _channel_shape, _reduced_dims, _stat_dtype
 from ..kernels.native import (
-    LEAN_MIN_NUMEL,
     _as_stat,
     _batch_norm_inference,
     _grad_input,
@@ -32,34 +26,22 @@ from ..kernels.native import (
     _local_payload,
     _local_reductions,
     _normalizing_var,
-    local_payload,
 )
 from ..kernels.statistics import COMBINE_DTYPE, moments_of_total
 from ..kernels.tracing import _forward_ad_level_active, _is_functorch_wrapped, is_compiling
 from .exchange_functions import _sync_batch_norm_differentiable
 from .statistics import _checked_count, _global_statistics_as, update_running_stats
 
-__all__ = [
-    "LEAN_MIN_NUMEL",
-    "Transport",
-    "local_payload",
-    "sync_batch_norm",
-]
-
-
-EPS_MODES = ("plus", "clip")
+__all__ = ["Transport", "sync_batch_norm"]
 
 
 class _SyncBatchNormFunction(Function):
     """input -> output with global statistics, one collective per direction (the ``sum_`` transports).
 
-    Forward returns the output, then, all non-differentiable: the mean and the unbiased variance (running
-    statistics), the normalizing variance and the (1,) float64 global count. Weight and bias gradients are the local
-    sums: DDP averages parameter gradients over ranks, as with ``torch.nn.SyncBatchNorm``. ``tags`` holds the
-    :class:`~syncbn_dist.comm.tags.CollectiveTag` of each direction's collective (a
-    :class:`~syncbn_dist.comm.tags.TracedTag` in a traced graph), which every payload carries and every member
-    verifies. Written with ``setup_context``, so that the ``torch.func`` transforms (``jvp``, ``grad``, ``vjp``) can
-    run it.
+    Forward returns the output, then (non-differentiable) the mean, the unbiased variance, the normalizing variance
+    and the (1,) float64 global count. Weight and bias gradients are the local sums (DDP averages them, as with
+    ``torch.nn.SyncBatchNorm``). ``tags``: each direction's tag (:mod:`syncbn_dist.comm.tags`). ``setup_context``
+    lets the ``torch.func`` transforms run it.
     """
 
     @staticmethod
@@ -142,10 +124,8 @@ class _SyncBatchNormFunction(Function):
 
 
 def _kernel_choice(input: Tensor, transport: Any, compiling: bool) -> Any:
-    """The kernels of one call, forward and backward, chosen once: the process group name the compiled regions
-    reduce over (None for a group of one), or :data:`~syncbn_dist.kernels.compiled.NATIVE` where the native ops run
-    (the transport's group is one the regions cannot reach, or, in eager mode, the kernel switch says so:
-    :func:`~syncbn_dist.kernels.compiled.takes_compiled_kernels`)."""
+    """The kernels of one call, both directions: the group name the compiled regions reduce over (None: a group of
+    one), or :data:`~syncbn_dist.kernels.compiled.NATIVE` (an unreachable group, or the kernel switch says so)."""
     if not kernels.takes_compiled_kernels(input, compiling):
         return NATIVE
     group_name = transport.group_name
@@ -153,11 +133,8 @@ def _kernel_choice(input: Tensor, transport: Any, compiling: bool) -> Any:
 
 
 class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
-    """:class:`_SyncBatchNormFunction` with forward-mode AD, for ``torch.autograd.forward_ad`` and ``torch.func``.
-
-    A class of its own because ``torch.compile`` (Dynamo) refuses to trace a Function that defines ``jvp``: the
-    layer takes it only when a forward-AD level or a ``torch.func`` transform is active (:func:`_forward_ad_active`).
-    """
+    """:class:`_SyncBatchNormFunction` with forward-mode AD (``torch.autograd.forward_ad``, ``torch.func``): a class
+    of its own, taken only under those, because Dynamo refuses to trace a Function that defines ``jvp``."""
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
@@ -168,12 +145,10 @@ class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
     @staticmethod
     def jvp(ctx: Any, input_tangent: Optional[Tensor], weight_tangent: Optional[Tensor],
             bias_tangent: Optional[Tensor], *_: Any) -> tuple[Optional[Tensor], None, None, None, None]:
-        """Forward-mode AD: the output's tangent over the global batch, with one collective of 2C + 6 float64 values
-        (the sums, then the tangent collective's tag).
+        """The output's tangent over the global batch, with one tagged collective of 2C + 6 float64 values.
 
-        The Jacobian of the output in the input is ``weight * invstd * (I - 1 1^T / N - x_hat x_hat^T / N)`` per
-        channel, which is symmetric: the tangent of ``dx`` is the backward's ``grad_input`` of ``dy = dx``, from the
-        global ``[sum(dx), sum(dx * x_hat)]``. The weight and bias tangents add ``dw * x_hat + db``.
+        The input Jacobian ``weight * invstd * (I - 1 1^T / N - x_hat x_hat^T / N)`` is symmetric per channel, so the
+        tangent of ``dx`` is the backward's ``grad_input`` of ``dy = dx``; weight and bias add ``dw * x_hat + db``.
         """
         input, weight, mean, var, count = ctx.saved_tensors
         tangent = None
@@ -197,13 +172,9 @@ class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
 def _recorded_backward(
     ctx: Any, grad_output: Tensor, input: Tensor, weight: Optional[Tensor], mean: Tensor, count: Tensor
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """``_SyncBatchNormFunction``'s backward as a graph autograd records, for ``backward(create_graph=True)``.
-
-    The gradients are autograd's own of :func:`_differentiable_normalize`, the forward in plain differentiable ops
-    whose sum over the members is the transport's differentiable ``all_reduce``. So the recorded graph reaches every
-    member's input: differentiating it again runs the adjoint of that all_reduce (another sum all_reduce) and gives
-    the second derivatives of nn.BatchNorm on the global batch. Two collectives of 2C + 6 float64 values (the
-    statistics again, and their adjoint, each tagged), in this backward only; ``create_graph=False`` never comes here.
+    """``_SyncBatchNormFunction``'s backward as a recorded graph, for ``backward(create_graph=True)``: autograd's
+    gradients of :func:`_differentiable_normalize`, whose graph reaches every member's input through the transport's
+    differentiable ``all_reduce`` (two tagged collectives). docs/design.md, "Higher-order derivatives".
     """
     needs = ctx.needs_input_grad
     grads: list[Optional[Tensor]] = [None, None, None]
@@ -221,12 +192,8 @@ def _differentiable_normalize(
     input: Tensor, weight: Optional[Tensor], shift: Tensor, count: Tensor, eps: float, eps_mode: str, transport: Any,
     tags: tuple[Any, Any],
 ) -> Tensor:
-    """``(x - mean) / sqrt(var + eps) * weight`` over the global batch in plain float64 ops (no bias: it adds a
-    constant), with the statistics summed over the members by ``transport.all_reduce``, tagged as the recorded
-    backward's collectives (``tags``: the layer's).
-
-    The sums are taken about ``shift``, the global mean the forward found (a constant here): they are small, so the
-    variance carries no cancellation, and the result does not depend on the shift.
+    """``(x - mean) / sqrt(var + eps) * weight`` over the global batch in plain float64 ops (no bias: a constant),
+    the sums taken about ``shift`` (the forward's global mean: no cancellation) and summed by ``transport.all_reduce``.
     """
     shape = _channel_shape(input)
     centred = input.to(COMBINE_DTYPE) - shift.to(COMBINE_DTYPE).view(shape)
@@ -300,7 +267,6 @@ def _sync_batch_norm(
     tags: tuple[Any, Any],
 ) -> Tensor:
     """:func:`sync_batch_norm`, ``compiling`` being the caller's :func:`is_compiling` (the layer asks once)."""
-    # An exchange unless the transport says otherwise (syncbn_dist.comm.transport).
     if getattr(transport, "differentiable_exchange", True):
         args = (input, weight, bias, eps, eps_mode, transport, tags)
         output, mean, unbiased_var = _sync_batch_norm_differentiable(*args)
