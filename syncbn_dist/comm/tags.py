@@ -1,11 +1,10 @@
 """Collective tags: every synchronized collective says which layer and direction sent it, and checks that on arrival.
 
-Each member appends the five float64 values ``[1, f, f**2, g, g**2]`` of its :class:`CollectiveTag` to the payload it
-all-reduces, ``(f, g)`` two 16-bit integers hashed from the layer's identity and the collective's direction. From the
-sums each member tests ``sum_i (f_i - f)**2 == 0`` (and the same for ``g``), so every member passes or every member
-raises :class:`LayerMismatchError`, at that collective. The sums are read on the host after a CPU collective, by the
-custom op ``syncbn_dist::tag_checked`` in a compiled graph (:func:`checked_in_graph`), and on CUDA at a later call
-(:class:`_DeviceMonitor`). Why it is exact, who counts, the cost: docs/design.md, "Every collective checks itself".
+Each member appends ``[1, f, f**2, g, g**2]`` (float64; ``(f, g)`` two 16-bit hashes of the layer's identity and the
+direction) to its payload; from the sums every member tests ``sum_i (f_i - f)**2 == 0`` (and for ``g``), so all pass
+or all raise :class:`LayerMismatchError`. Read on the host after a CPU collective, by a custom op in a compiled graph
+(:func:`checked_in_graph`), on CUDA at a later call (:class:`_DeviceMonitor`). docs/design.md, "Every collective
+checks itself".
 """
 
 from __future__ import annotations
@@ -58,8 +57,8 @@ class LayerMismatchError(ValueError):
     """Members of a synchronization group reached different synchronized collectives: another layer, or the other
     direction (raised on every member at that collective).
 
-    Raised by the collective tags, the gather check of a group's first step and of debug mode, and the controls under
-    ``Join`` (docs/troubleshooting.md); inside a compiled graph on CUDA a mismatch is a device-side assertion instead.
+    Raised by the collective tags, the first-step and debug-mode gather checks and the controls under ``Join``
+    (docs/troubleshooting.md); inside a compiled graph on CUDA a mismatch is a device-side assertion instead.
     """
 
 
@@ -97,8 +96,8 @@ class CollectiveTag:
         return tag_for(self.identity, direction, self.description)
 
     def tail(self, device: torch.device, lead: Optional[float]) -> Tensor:
-        """``[lead, 1, f, f**2, g, g**2]`` float64 on ``device`` (made once): the payload's last six values, ``lead``
-        being its count slot (1.0 to be scaled by the count, or 0.0); ``lead`` None: the five values of the tag."""
+        """``[lead, 1, f, f**2, g, g**2]`` float64 on ``device`` (made once), ``lead`` the payload's count slot
+        (None: the tag's five values)."""
         key = (device, lead)
         tail = self._tails.get(key)
         if tail is None:
@@ -115,16 +114,16 @@ class CollectiveTag:
         return weights
 
     def verify(self, total: Tensor, transport: Optional[Any] = None) -> None:
-        """Check the tag at the end of the summed payload ``total`` (see the module docstring).
+        """Check the summed tags at the end of ``total``.
 
         Args:
             total: the summed payload, its last :data:`TAG_SIZE` values the summed tags (or those values alone).
-            transport: what summed it: on a mismatch the members of its ``agreement_group()`` gather one record each
-                to name every member's collective (no group: the error names this member's alone).
+            transport: what summed it: on a mismatch its ``agreement_group()`` gathers a record per member to name
+                each one's collective (no group: the error names this member's alone).
 
         Raises:
-            LayerMismatchError: on every member that sent a tag, if they did not all send the same one (CPU; on CUDA
-                at a later synchronized call, see :class:`_DeviceMonitor`).
+            LayerMismatchError: on every member, if they did not all send this tag (on CUDA at a later synchronized
+                call, see :class:`_DeviceMonitor`).
         """
         summed = total[-TAG_SIZE:]
         if summed.is_cuda:
@@ -138,8 +137,8 @@ class CollectiveTag:
             raise self.mismatch(int(n), group)
 
     def mismatch(self, members: int, group: Optional[Any]) -> LayerMismatchError:
-        """The error every member raises when the tags of a collective disagree, naming each member's collective when
-        ``group`` can gather a record of each (one ``all_gather``, which every member of ``group`` runs here)."""
+        """The error every member raises when a collective's tags disagree, naming each member's collective when
+        ``group`` is given (one ``all_gather``, which every member of ``group`` runs here)."""
         mine = f"{self.description}: {self.direction}"
         if group is not None:
             records = [r.decode("utf-8", "replace") for r in all_gather_bytes(mine.encode(), group, _RECORD_BYTES)]
@@ -173,8 +172,8 @@ def traced_constants(tag: CollectiveTag) -> tuple[Any, ...]:
 
 
 def traced_tags(constants: tuple[Any, ...]) -> tuple[TracedTag, TracedTag]:
-    """The forward and backward :class:`TracedTag` from :func:`traced_constants` of each, in one flat tuple (what the
-    trace-time check returns: :func:`syncbn_dist.comm.agreement.verify_while_tracing`)."""
+    """The forward and backward :class:`TracedTag` from the flat tuple of both :func:`traced_constants` (what
+    :func:`syncbn_dist.comm.agreement.verify_while_tracing` returns)."""
     size = 2 + TAG_SIZE
     forward, backward = constants[:size], constants[size:]
     return (
@@ -194,8 +193,8 @@ def layer_tags(identity: str, description: str, forward: str = FORWARD) -> tuple
 
 
 def summed_tags_agree(summed: list[float]) -> bool:
-    """Whether the members that sent the summed tag ``summed`` (on the host) all sent the same one, for a member that
-    sent none (a joined rank's listener): ``n sum f**2 == (sum f)**2`` for both halves, in exact integers."""
+    """Whether the members that sent the summed tag ``summed`` all sent the same one, for a member that sent none (a
+    joined rank's listener): ``n sum f**2 == (sum f)**2`` for both halves, in exact integers."""
     n, f_sum, f_squares, g_sum, g_squares = (round(value) for value in summed)
     return n * f_squares == f_sum * f_sum and n * g_squares == g_sum * g_sum
 
@@ -222,8 +221,8 @@ _SLOTS = 4096
 
 
 class _DeviceMonitor:
-    """One CUDA device's summed discrepancies, one slot per tag, and their copy in pinned host memory: :meth:`add`
-    accumulates with one kernel and no host read, then polls (docs/design.md, "Every collective checks itself")."""
+    """One CUDA device's summed discrepancies, a slot per tag, copied to pinned host memory: :meth:`add` accumulates
+    with one kernel and no host read, then polls."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -237,8 +236,8 @@ class _DeviceMonitor:
         self.poll()
 
     def poll(self, wait: bool = False) -> None:
-        """Raise for a discrepancy the device has reported back; enqueue the next copy (``wait``: wait for it).
-        Nothing while a CUDA graph is captured (its replays accumulate into the same slots, read by later polls)."""
+        """Raise for a discrepancy the device has reported back; enqueue the next copy (``wait``: wait for it). Nothing
+        while a CUDA graph is captured (its replays accumulate into the same slots)."""
         if torch.cuda.is_current_stream_capturing():
             return
         if self.event is not None and (wait or self.event.query()):
@@ -294,11 +293,9 @@ class _NamedGroup(NamedTuple):
 
 
 def _check_op(name: str) -> Any:
-    """A custom op ``syncbn_dist::<name>(total, tag_index, group_name) -> total`` that returns ``total`` (a summed
-    payload) as a new tensor after :meth:`CollectiveTag.verify` with the tag of ``tag_index``: the check as one op of
-    a compiled graph. On a mismatch the members of the group ``group_name`` gather their records, as eager mode's check
-    does, so that a member whose layer runs eagerly (Dynamo's fallback) and one whose layer runs compiled run the same
-    collectives."""
+    """The custom op ``syncbn_dist::<name>(total, tag_index, group_name) -> total``: :meth:`CollectiveTag.verify` as
+    one op of a compiled graph. On a mismatch ``group_name``'s members gather their records as eager mode does, so an
+    eager member (Dynamo's fallback) and a compiled one run the same collectives."""
 
     @torch.library.custom_op(f"syncbn_dist::{name}", mutates_args=())
     def check(total: Tensor, tag_index: int, group_name: str) -> Tensor:
@@ -319,11 +316,9 @@ torch.fx.node.has_side_effect(_BACKWARD_CHECK)
 
 
 def checked_in_graph(total: Tensor, tag: TracedTag, group_name: str, backward: bool = False) -> Tensor:
-    """:meth:`CollectiveTag.verify` of ``total`` inside a traced graph; returns the checked total, which the caller uses
-    in place of ``total``: on the CPU the custom op ``syncbn_dist::tag_checked``, on CUDA ``torch._assert_async``
-    with no host code (docs/compile.md, "How the graph stays whole and correct"). ``group_name``: the collective's
-    process group, whose members gather their records on a mismatch (on the CPU); ``backward``: a backward's collective
-    (``syncbn_dist::tag_checked_backward``, which the compiler keeps where nothing reads its output)."""
+    """:meth:`CollectiveTag.verify` of ``total`` inside a traced graph, returning the checked total for the caller to
+    use: on the CPU the custom op (``backward``: the one with a side effect), on CUDA ``torch._assert_async`` with no
+    host code (docs/compile.md, "How the graph stays whole and correct")."""
     if not total.is_cuda:
         return (_BACKWARD_CHECK if backward else _FORWARD_CHECK)(total, tag.index, group_name)
     _, f, f_square, g, g_square = tag.values

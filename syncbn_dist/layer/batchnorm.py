@@ -41,7 +41,7 @@ __all__ = [
 
 
 class _SoloTransport:
-    """The transport of a group of one: the sum over the members is the tensor itself (no communication)."""
+    """A group of one: the sum over the members is the tensor itself."""
 
     name = "local"
     differentiable_exchange = False
@@ -122,15 +122,13 @@ class SyncBatchNorm(_BatchNorm):
         'local'
     """
 
-    # Set by syncbn_dist.join_layers: the layer's transport inside a Join context (a class default, so that layers
-    # unpickled from older versions have it too).
+    # The layer's transport inside a Join context (syncbn_dist.join_layers); class defaults reach unpickled layers too.
     _join_binding: Optional[JoinBinding] = None
     # Seconds a DataParallel replica waits for its peers at this layer before raising ReplicaSyncError.
     replica_timeout: Optional[float] = settings.DEFAULT_REPLICA_TIMEOUT
     # "plus", "clip" ("clamp"), or None for the process-wide default of set_sbn_eps_mode.
     eps_mode: Optional[str] = None
-    # What the members of each process group were found to agree on (comm.agreement.agreement_of makes it where a
-    # layer has none: a torch.nn.SyncBatchNorm under the torch patch, a layer unpickled from an older version).
+    # What each process group's members agreed on (comm.agreement; agreement_of makes it where a layer has none).
     _agreement: Optional[LayerAgreement] = None
 
     def __init__(
@@ -151,9 +149,7 @@ class SyncBatchNorm(_BatchNorm):
         self._transport_record: list[Optional[str]] = [None]
         # Set on DataParallel replicas only, by __data_parallel_replicate__.
         self._replica_exchange: Optional[Union[SyncMaster, SlavePipe]] = None
-        # What the members of each process group were found to agree on (shared by replicas, like
-        # _transport_record): syncbn_dist.comm.agreement.
-        self._agreement = LayerAgreement()
+        self._agreement = LayerAgreement()  # shared by replicas, like _transport_record
 
     @classmethod
     def convert_sync_batchnorm(
@@ -234,14 +230,10 @@ class SyncBatchNorm(_BatchNorm):
         return None
 
     def __data_parallel_replicate__(self, ctx: Any, copy_id: int) -> None:
-        """Replication callback (see :func:`syncbn_dist.execute_replication_callbacks`).
-
-        Replica 0 becomes the master of a fresh :class:`SyncMaster` shared through ``ctx``; the others
-        register with it as slaves.
-        """
+        """Replication callback (:func:`syncbn_dist.execute_replication_callbacks`): replica 0 becomes the master of a
+        fresh :class:`SyncMaster` shared through ``ctx``; the others register with it as slaves."""
         if copy_id == 0:
-            # execute_replication_callbacks shares one Replication among its contexts; another implementation
-            # of the callbacks may not (then a failure wakes the peers at this layer's exchange only).
+            # (other callbacks may share no Replication: a failure then wakes this layer's peers only)
             ctx.sync_master = new_sync_master(self.replica_timeout, getattr(ctx, "replication", None))
             self._replica_exchange = ctx.sync_master
         else:
@@ -325,12 +317,8 @@ class SyncBatchNorm(_BatchNorm):
         return self._forward(input)
 
     def _replica_forward(self, input: Tensor) -> Tensor:
-        """The forward of a DataParallel replica (always eager): reports its own failure to its exchange.
-
-        A bad input, a mismatch or an error after the exchange wakes the peers blocked at this or a later layer
-        of the replication with ReplicaSyncError now, whatever runs the replicas (plain threads, torch's
-        parallel_apply).
-        """
+        """A DataParallel replica's forward (always eager): its failure wakes the peers blocked at this or a later layer
+        with ReplicaSyncError, whatever runs the replicas."""
         exchange = self._replica_exchange
         assert exchange is not None
         try:
@@ -365,8 +353,8 @@ class SyncBatchNorm(_BatchNorm):
         return self._sync_forward(input, transport, compiling, recomputing)
 
     def _local_forward(self, input: Tensor, recomputing: bool) -> Tensor:
-        """``nn.BatchNorm``'s forward; a checkpoint recomputation of a call that updated the running statistics
-        normalizes with throw-away copies of them, saving the tensors the original forward saved."""
+        """``nn.BatchNorm``'s forward; a checkpoint recomputation normalizes with throw-away copies of the running
+        statistics, saving what the original forward saved."""
         if not (recomputing and self.training and self.track_running_stats and self.running_mean is not None):
             return super().forward(input)
         running_mean, running_var = self.running_mean.clone(), self.running_var.clone()
@@ -385,10 +373,8 @@ class SyncBatchNorm(_BatchNorm):
         return settings._EPS_MODE if self.eps_mode is None else settings._resolve_eps_mode(self.eps_mode)
 
     def _sync_forward(self, input: Tensor, transport: Transport, compiling: bool, recomputing: bool = False) -> Tensor:
-        """The synchronized training forward, traced whole by ``torch.compile`` over a process group. A checkpoint
-        recomputation (``recomputing``) normalizes with the original call's statistics (the same collective again on
-        every member; replicas replay theirs) and leaves the running statistics alone.
-        """
+        """The synchronized training forward, traced whole by ``torch.compile`` over a process group; a checkpoint
+        recomputation (``recomputing``) leaves the running statistics alone."""
         weight, bias = self.weight, self.bias
         tags = self._tags_of_call(input, weight, bias, transport, compiling)
         # DataParallel slaves leave the buffers to the master, whose buffers are the original module's.
@@ -419,10 +405,8 @@ class SyncBatchNorm(_BatchNorm):
     def _tags_of_call(
         self, input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], transport: Any, compiling: bool
     ) -> tuple[Any, Any]:
-        """The :class:`~syncbn_dist.comm.tags.CollectiveTag` of this call's forward and backward collectives, cached per
-        direction and name; under ``torch.compile``, constants of the graph from the trace-time check. The forward's
-        direction says whether autograd will run the backward's collective, which every member must agree on.
-        """
+        """The tags of this call's forward and backward collectives (:mod:`syncbn_dist.comm.tags`), cached; traced, the
+        graph's constants from the trace-time check. The forward's direction says whether a backward will follow."""
         with_backward = torch.is_grad_enabled() and (
             input.requires_grad
             or (weight is not None and weight.requires_grad)
@@ -448,11 +432,8 @@ class SyncBatchNorm(_BatchNorm):
         return traced_tags(constants)
 
     def _momentum_factor(self, compiling: bool) -> Union[float, Tensor]:
-        """``momentum``, or for a cumulative average (momentum None) ``1 / num_batches_tracked``.
-
-        The cumulative factor is a host float in eager mode and a 0-dim tensor under ``torch.compile`` (reading
-        the counter on the host would end the graph).
-        """
+        """``momentum``, or ``1 / num_batches_tracked`` for a cumulative average: a 0-dim tensor under
+        ``torch.compile`` (a host read would end the graph)."""
         if self.momentum is not None:
             return self.momentum
         if compiling:
@@ -460,8 +441,6 @@ class SyncBatchNorm(_BatchNorm):
         return 1.0 / float(self.num_batches_tracked)
 
     def _eager_sync_forward(self, input: Tensor, transport: Transport) -> Tensor:
-        # Under torch.compile, DataParallel replicas (threads exchanging Python objects), debug mode (a record gathered
-        # and compared before every collective) and Join (its controls) run eagerly: one graph break per layer.
         return self._sync_forward(input, transport, False)
 
     def _describe(self) -> str:

@@ -1,12 +1,9 @@
 """The synchronized layer's two autograd Functions around a differentiable exchange (DataParallel replicas).
 
-``_LocalPayload`` -> ``transport.all_reduce`` -> ``_Normalize``: a DataParallel replica's backward runs in one
-autograd thread for all replicas, where no exchange between them could happen, so the exchange's sum is itself an
-autograd edge (:class:`syncbn_dist.comm.DataParallelTransport`), and each Function has the true vector-Jacobian
-product of its forward. The gradient of the global payload, summed by the exchange, carries the cross-replica terms
-back (docs/design.md, "Higher-order derivatives"). The process-group path is one Function
-(:mod:`syncbn_dist.layer.functions`); this path runs the native kernels (:mod:`syncbn_dist.kernels.native`) in every
-kernel mode.
+``_LocalPayload`` -> ``transport.all_reduce`` -> ``_Normalize``: every replica's backward runs in one autograd thread,
+where no exchange could happen, so the exchange's sum is itself an autograd edge and each Function has the true
+vector-Jacobian product of its forward (docs/design.md, "Higher-order derivatives"). This path runs the native kernels
+in every kernel mode.
 """
 
 from __future__ import annotations
@@ -36,10 +33,8 @@ __all__: list[str] = []
 
 
 class _BackwardLink:
-    """What the call's two Functions share: the collective tags (forward, backward), the transport
-    (whose ``agreement_group`` can name every member's collective on a mismatch), and the global statistics, filled by
-    the caller after the exchange and read by ``_LocalPayload.backward`` (they are known only after
-    ``_LocalPayload.forward`` ran)."""
+    """What the call's two Functions share: the tags (forward, backward), the transport, and the global statistics,
+    filled in after the exchange for ``_LocalPayload.backward``."""
 
     __slots__ = ("tags", "transport", "mean", "var", "eps")
 
@@ -51,14 +46,9 @@ class _BackwardLink:
 
 
 class _LocalPayload(Function):
-    """input -> (:func:`local_payload`, alias of input), with its exact vector-Jacobian product.
-
-    The payload is ``[sum(x), sum(x**2), count]`` per channel, then the forward's tag (:mod:`syncbn_dist.comm.tags`),
-    so ``grad_input = grad_alias + g_sum + 2 x g_sumsq``; the gradient of the tag's values carries the summed backward
-    tags instead (``_Normalize`` stamps them), which this backward verifies.
-    That is evaluated as ``grad_alias + 2 (x - mean) g_sumsq + (g_sum + 2 mean g_sumsq)`` about the global mean
-    (the same value without the cancellation of a large mean), by one native inference batch norm. Being the true
-    product at every order, it can be differentiated again (double backward).
+    """input -> (tagged payload ``[sum(x), sum(x**2), count, tag]``, alias of input), with its exact vector-Jacobian
+    product ``grad_alias + g_sum + 2 x g_sumsq``, evaluated about the global mean (no cancellation of a large mean) by
+    one native inference batch norm. The tag's gradient slot carries the summed backward tags, verified here.
     """
 
     @staticmethod
@@ -102,15 +92,13 @@ class _LocalPayload(Function):
 
 
 class _Normalize(Function):
-    """(alias of input, weight, bias, global payload) -> output normalized with the statistics of the payload, with
-    its exact vector-Jacobian product.
+    """(alias of input, weight, bias, global payload) -> output normalized with the payload's statistics, with its
+    exact vector-Jacobian product.
 
-    The statistics arrive as ``mean`` and ``var`` (computed from ``total`` without grad), but the output is a
-    function of ``total``: ``mean = S / N`` and ``var = Q / N - mean**2``, so backward sends ``total`` the gradient
-    ``[g_S, g_Q, 0]`` of those, from this member's ``sum(dy)`` and ``sum(dy * x_hat)``, then the backward's tag in
-    place of the zero gradient of the forward's (which the output does not depend on). The transport's
-    differentiable exchange sums it over the members, and ``_LocalPayload`` turns it into the global-batch
-    ``grad_input``. Weight and bias gradients are the local sums (DataParallel sums the replicas' gradients).
+    ``mean = S / N`` and ``var = Q / N - mean**2`` are functions of ``total``, so backward sends ``total`` their
+    gradient ``[g_S, g_Q, 0]`` (from this member's ``sum(dy)``, ``sum(dy * x_hat)``), then the backward's tag in the
+    forward tag's slot; the exchange sums it and ``_LocalPayload`` makes the global ``grad_input``. Weight and bias get
+    the local sums (DataParallel sums the replicas' gradients).
     """
 
     @staticmethod
@@ -191,12 +179,9 @@ class _Normalize(Function):
 
 
 def _recorded_normalize_backward(ctx: Any, grad_output: Tensor) -> list[Optional[Tensor]]:
-    """``_Normalize``'s gradients as autograd's own of its forward written in plain ops of ``total``, recorded.
-
-    The statistics take their values from the forward's (exact) ``mean`` and ``var`` and their derivatives from
-    ``S / N`` and ``Q / N - (S / N)**2``: ``c + (f - f.detach())`` has the value ``c`` and every derivative of ``f``
-    (none on a clipped channel, which normalizes by eps). The gradient of ``total`` carries the backward's tag in
-    place of the (zero) gradient of the forward's, as in ``_Normalize.backward``.
+    """``_Normalize``'s gradients, recorded: autograd's own of its forward in plain ops of ``total``, the statistics
+    valued as the forward's exact ``mean`` and ``var`` with the derivatives of ``S / N`` and ``Q / N - (S / N)**2``
+    (``c + (f - f.detach())``; none on a clipped channel). The gradient of ``total`` carries the backward's tag.
     """
     input, weight, bias, total, mean, var = ctx.saved_tensors
     with torch.enable_grad():
