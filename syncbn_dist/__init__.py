@@ -27,7 +27,6 @@ from .layer.batchnorm import (
 from .settings import get_kernels, is_debug_enabled, set_debug, set_kernels, set_sbn_eps_mode
 
 try:
-    # The installed distribution's version (pyproject.toml's, through the wheel's or the editable install's metadata).
     __version__: str = version("syncbn_dist")
 except PackageNotFoundError:  # the source tree on sys.path without installing it: no metadata to read
     __version__ = "0+unknown"

@@ -1,10 +1,6 @@
-"""What Dynamo must know of syncbn_dist, told once Dynamo is loaded: importing syncbn_dist loads nothing of torch's
-compiler stack (``torch._dynamo``, ``torch._inductor``), which costs a process more than ``import torch`` itself.
-
-The functions Dynamo must not trace (``torch.compiler.disable``) or must call while tracing
-(``torch.compiler.assume_constant_result``) are marked by :func:`when_dynamo_loads`, right after ``torch._dynamo`` is
-imported by whatever compiles first (``torch.compile`` imports it before it traces anything), through an import hook
-that removes itself. Held by tests/test_imports.py.
+"""What Dynamo must know of syncbn_dist (what it must not trace, or must call while tracing), marked once
+``torch._dynamo`` loads, so that importing syncbn_dist loads none of torch's compiler stack (tests/test_imports.py;
+docs/design.md, "Private torch APIs and changes to torch's classes").
 """
 
 from __future__ import annotations

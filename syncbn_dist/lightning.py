@@ -1,5 +1,4 @@
-"""The Lightning plugin at its public path (importing it imports Lightning); the code is
-:mod:`syncbn_dist.integrations.lightning`."""
+"""The Lightning plugin at its public path (imports Lightning); code: :mod:`syncbn_dist.integrations.lightning`."""
 
 from .integrations.lightning import SyncBatchNormPlugin
 

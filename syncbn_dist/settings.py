@@ -1,8 +1,7 @@
 """Every process-wide switch of syncbn_dist, and every environment variable it reads, in one place.
 
-The library's other modules read the switches here, never the environment. The variables (docs/api/switches.md,
-"Environment variables") keep the names they were published under; torchrun's ``WORLD_SIZE`` is read too
-(:func:`launched_world_size`).
+Other modules read the switches here, never the environment. The variables keep their published names
+(docs/api/switches.md, "Environment variables"); torchrun's ``WORLD_SIZE`` too (:func:`launched_world_size`).
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ __all__ = [
 
 KERNEL_MODES = ("auto", "compiled", "native")
 KERNELS_ENV = "SYNCBN_DIST_KERNELS"
-# Native: nothing compiles on a job's critical path (why the compiled kernels are opt-in: docs/compile.md, "The
-# default kernels").
+# Native: nothing compiles on a job's critical path (docs/compile.md, "The default kernels").
 DEFAULT_KERNELS = "native"
 
 _mode: Optional[str] = None
@@ -40,10 +38,9 @@ def set_kernels(mode: str) -> None:
     ``"native"`` (the default) runs torch's batch-norm ops and compiles nothing; ``"compiled"`` runs
     :mod:`syncbn_dist.kernels.compiled` through ``torch.compile`` (inductor), compiled at first use on the caller's
     critical path; ``"auto"`` compiles for CPU tensors where inductor finds a C++ compiler (else native, with one
-    warning naming why) and runs the native kernels on CUDA. On CPU the compiled kernels make a long job's steps
-    faster, a short job is faster native (docs/compile.md, "The default kernels"). Overrides ``SYNCBN_DIST_KERNELS``.
-    In ``backward(create_graph=True)`` the native ops run whatever the mode; where else, and what a user's
-    ``torch.compile`` traces: docs/api/switches.md, "Kernels".
+    warning naming why), native on CUDA. On CPU, compiled makes a long job's steps faster, native a short job
+    (docs/compile.md, "The default kernels"). Overrides ``SYNCBN_DIST_KERNELS``. ``backward(create_graph=True)`` runs
+    native whatever the mode; other such cases, and what ``torch.compile`` traces: docs/api/switches.md, "Kernels".
 
     Args:
         mode: ``"auto"``, ``"compiled"`` or ``"native"``.
@@ -76,18 +73,16 @@ def _checked_mode(mode: Any, source: str) -> str:
 
 # The process-wide default of SyncBatchNorm.eps_mode; see set_sbn_eps_mode.
 _EPS_MODE = "plus"
-# The classic library spells "clip" as "clamp".
 _EPS_MODE_ALIASES = {"plus": "plus", "clip": "clip", "clamp": "clip"}
 
 
 def set_sbn_eps_mode(mode: str) -> None:
     """Set how every SyncBatchNorm without its own ``eps_mode`` applies ``eps`` to the batch variance in training.
 
-    The classic Synchronized-BatchNorm-PyTorch API, with the same global scope. ``"plus"`` (the default)
-    normalizes by ``sqrt(var + eps)``, as ``nn.BatchNorm`` does; ``"clip"`` (spelled ``"clamp"`` in the classic
-    library, whose default it is) by ``sqrt(max(var, eps))``, for reproducing models trained with it, in every
-    training forward, synchronized or not. Eval mode always uses ``running_var + eps``, as both libraries do.
-    A layer's own ``eps_mode`` attribute, when not None, overrides this default.
+    The classic Synchronized-BatchNorm-PyTorch API, with the same global scope. ``"plus"`` (the default) normalizes
+    by ``sqrt(var + eps)`` as ``nn.BatchNorm`` does; ``"clip"`` (the classic library's default, ``"clamp"`` there) by
+    ``sqrt(max(var, eps))``, to reproduce models trained with it, in every training forward, synchronized or not.
+    Eval mode always uses ``running_var + eps``, as both libraries do. A layer's ``eps_mode``, unless None, wins.
 
     Args:
         mode: ``"plus"``, ``"clip"`` or ``"clamp"`` (= ``"clip"``).
@@ -113,11 +108,10 @@ _DEBUG = os.environ.get("SYNCBN_DEBUG", "0").strip().lower() not in ("", "0", "f
 def set_debug(enabled: bool) -> None:
     """Turn debug mode on or off for this process (also on with the environment variable ``SYNCBN_DEBUG=1``).
 
-    In debug mode every synchronized collective, forward and backward, is preceded by one small ``all_gather`` that
-    checks that all members are at the same collective (call number, layer name, num_features, dtype, direction); on
-    a mismatch every member raises :class:`LayerMismatchError` naming each rank's layer, instead of hanging or mixing
-    statistics. Off by default: the collectives' tags and the group's first step check what they can
-    (docs/troubleshooting.md, "What is caught, and when").
+    In debug mode a small ``all_gather`` before each synchronized collective, forward and backward, checks that every
+    member is at the same one (call number, layer name, num_features, dtype, direction); else every member raises
+    :class:`LayerMismatchError` naming each rank's layer, instead of hanging or mixing statistics. Off by default:
+    collective tags and the first step check what they can (docs/troubleshooting.md, "What is caught, and when").
 
     Args:
         enabled: True turns debug mode on, False off.

@@ -1,10 +1,9 @@
 """Every change syncbn_dist makes to torch's own classes, in one place: what is changed now, and the undo of each.
 
-syncbn_dist changes torch's classes only through :func:`replace` (until :func:`restore`) or :func:`temporarily` (for a
-block), so :func:`changed` always says what differs from torch. Nothing is changed on import: only on request
-(:func:`syncbn_dist.patch_torch_sync_batchnorm`), when the first synchronized layer is made (:func:`on_first_use`), or
-for one call; each change, and what it buys: docs/design.md, "Private torch APIs and changes to torch's classes".
-This module imports nothing of syncbn_dist, so that every part of it can use it.
+Changes go only through :func:`replace` (until :func:`restore`) or :func:`temporarily` (for a block), so :func:`changed`
+always says what differs from torch. None at import: on request (:func:`syncbn_dist.patch_torch_sync_batchnorm`), at
+the first synchronized layer (:func:`on_first_use`), or for one call; each, and what it buys: docs/design.md, "Private
+torch APIs and changes to torch's classes". Imports nothing of syncbn_dist, so that every part of it can use it.
 """
 
 from __future__ import annotations

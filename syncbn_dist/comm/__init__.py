@@ -1,13 +1,6 @@
-"""Transports: the only part of the package that touches ``torch.distributed`` or threads.
-
-A transport sums a list of tensors over the members of a group with one collective, differentiably (see
-:mod:`syncbn_dist.comm.transport`), and knows nothing about batch norm:
-
-- :mod:`.distributed`: :class:`DistributedTransport`, one ``all_reduce`` over a process group (gloo, nccl).
-- :mod:`.agreement`: the check that every member is at the same layer (:class:`LayerMismatchError`, debug mode).
-- :mod:`.replica`: :class:`DataParallelTransport`, the in-process master/slave exchange between DataParallel
-  replicas (:class:`SyncMaster`, :class:`SlavePipe`, :class:`FutureResult`), optionally followed on the master
-  by a :class:`DistributedTransport` over processes, so that the replicas of all processes are synchronized.
+"""Transports (:mod:`syncbn_dist.comm.transport`): the only part of the package that touches ``torch.distributed`` or
+threads. Process groups: :mod:`.distributed`; DataParallel replicas: :mod:`.replica`; ``Join``: :mod:`.join_session`;
+the checks that members agree: :mod:`.tags`, :mod:`.agreement`. docs/design.md, "Transports".
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The torch.distributed transport: one coalesced, differentiable ``all_reduce`` per call, and group helpers.
-
-The only module of the package that calls collectives on a process group (the agreement check in
-:mod:`syncbn_dist.comm.agreement` gathers its records through :func:`all_gather_bytes`).
+"""The torch.distributed transport (one coalesced, differentiable ``all_reduce`` per call) and group helpers: the only
+module that calls collectives on a process group (:mod:`.agreement` gathers through :func:`all_gather_bytes`).
 """
 
 from __future__ import annotations
@@ -41,13 +39,8 @@ def _unflatten(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
 
 
 class _AllReduceCoalesced(Function):
-    """Sum tensors with one call of ``reducer.sum_`` (one ``all_reduce``); backward does the same for the gradients.
-
-    Backward sends only the gradients of inputs that require grad (the same inputs on every rank), through this
-    Function again under ``create_graph=True`` (double backward: docs/design.md, "Higher-order derivatives").
-    ``tags``: None or ``(forward_tag, backward_tag, stamp)``, the :class:`~syncbn_dist.comm.tags.CollectiveTag` each
-    direction verifies; with ``stamp`` each direction first writes its tag into the tail of what it sends.
-    """
+    """Sums tensors with one ``reducer.sum_``; backward, the gradients of the inputs that require grad (the same on
+    every rank), through this Function again under ``create_graph`` (docs/design.md, "Higher-order derivatives")."""
 
     @staticmethod
     def forward(reducer: Any, tags: Optional[tuple[Any, Any, bool]], *tensors: Tensor) -> tuple[Tensor, ...]:
@@ -85,19 +78,15 @@ def _tagged_sum(reducer: Any, flat: Tensor, tags: Optional[tuple[Any, Any, bool]
 
 
 def all_reduce_sum(tensor: Tensor, group_name: Optional[str]) -> Tensor:
-    """The sum of ``tensor`` over the process group named ``group_name``, as a new tensor (None: a group of one,
-    ``tensor`` itself): torch's functional ``all_reduce`` and ``wait_tensor``, C++ ops in eager mode and in compiled
-    graphs alike, with no Python per call.
-
-    Its payload is always computed from the layer's input or ``grad_output``: what keeps the ranks' collectives in
-    step under ``torch.compile`` (docs/compile.md, "How the graph stays whole and correct").
+    """The sum of ``tensor`` over the group named ``group_name``: torch's functional ``all_reduce`` and ``wait_tensor``,
+    C++ ops eagerly and in compiled graphs alike (docs/compile.md, "How the graph stays whole and correct").
 
     Args:
         tensor: any shape and dtype the backend reduces (the layer sends float64 payloads).
-        group_name: ``ProcessGroup.group_name`` of the group, or None.
+        group_name: ``ProcessGroup.group_name`` of the group; None: a group of one.
 
     Returns:
-        A tensor of ``tensor``'s shape and dtype holding the sum over the group's members.
+        A new tensor of ``tensor``'s shape and dtype holding the members' sum (for None, ``tensor`` itself).
     """
     if group_name is None:
         return tensor
@@ -106,12 +95,10 @@ def all_reduce_sum(tensor: Tensor, group_name: Optional[str]) -> Tensor:
 
 
 class DistributedTransport:
-    """Sums over the members of a ``torch.distributed`` process group with one ``all_reduce`` per call.
+    """Sums over a ``torch.distributed`` group's members (gloo: CPU tensors, nccl: CUDA), one ``all_reduce`` a call.
 
     Args:
-        process_group: the group to reduce over; None means the default (world) group.
-
-    The backend follows the tensors: gloo for CPU tensors, nccl for CUDA tensors.
+        process_group: the group to reduce over. Default: ``None`` (the world group)
     """
 
     name = "distributed"
@@ -132,28 +119,27 @@ class DistributedTransport:
 
         Args:
             tensors: tensors of one dtype, any shapes.
-            reducer: what sums the flattened tensors, forward and backward (an object with this class's ``sum_``;
-                None: this transport); :class:`~syncbn_dist.comm.join_session.JoinTransport` passes itself.
-            tags: ``(forward_tag, backward_tag, stamp)`` (see ``_AllReduceCoalesced``), or None.
+            reducer: what sums the flattened tensors, both directions: an object with ``sum_``
+                (:class:`~syncbn_dist.comm.join_session.JoinTransport` passes itself). Default: ``None`` (this one)
+            tags: ``(forward_tag, backward_tag, stamp)``: the :class:`~syncbn_dist.comm.tags.CollectiveTag` each
+                direction verifies and, with ``stamp``, first writes into the tail of what it sends. Default: ``None``
         """
         return list(_AllReduceCoalesced.apply(self if reducer is None else reducer, tags, *tensors))
 
     def sum_(self, tensor: Tensor, tag: Optional[Any] = None) -> Tensor:
         """Sum ``tensor`` over the group in place with one ``all_reduce`` and return it (not differentiable).
 
-        The process group's own ``allreduce``, without ``torch.distributed.all_reduce``'s per-call checks (one dense
-        tensor, SUM); traced, :func:`all_reduce_sum` (Dynamo cannot trace a process group's methods).
+        The group's own ``allreduce``, skipping ``dist.all_reduce``'s per-call checks; traced, :func:`all_reduce_sum`
+        (Dynamo cannot trace a process group's methods).
 
         Args:
             tensor: the flat payload.
-            tag: the collective's :class:`~syncbn_dist.comm.tags.CollectiveTag`, whose summed values end ``tensor``
-                and are verified once summed (None: nothing to verify).
+            tag: the :class:`~syncbn_dist.comm.tags.CollectiveTag` ending ``tensor``, verified on the sum, or None.
 
         Raises:
-            LayerMismatchError: if the members sent different tags (on every member).
+            LayerMismatchError: on every member, if the members sent different tags.
         """
-        # torch's flag, not syncbn_dist.kernels.tracing.is_compiling: in a replica thread that sees it set by another
-        # thread's compilation, the functional collective is the same sum, eagerly.
+        # torch's process-wide flag, not kernels.tracing's: the functional collective is the same sum, eagerly too.
         if torch.compiler.is_compiling():
             return all_reduce_sum(tensor, self.group_name)
         group = self.process_group
@@ -199,8 +185,7 @@ def distributed_transport(process_group: Optional[Any]) -> Optional[DistributedT
 
 
 class _WeakGroupTransport(DistributedTransport):
-    """A :class:`DistributedTransport` that does not keep its process group alive, so that it is freed when
-    ``torch.distributed`` destroys it (docs/troubleshooting.md, "SIGABRT or a hang at exit")."""
+    """Holds its group weakly, so it is freed when destroyed (troubleshooting.md, "SIGABRT or a hang at exit")."""
 
     def __init__(self, process_group: Any) -> None:  # not super().__init__: process_group is a property here
         self._group_ref = weakref.ref(process_group)
@@ -214,8 +199,7 @@ class _WeakGroupTransport(DistributedTransport):
 
 
 class _TransportCache:
-    """:func:`cached_distributed_transport`'s answers, holding no process group strongly: the world group's transport
-    (which names it None), the subgroups' transports by group, and the world group they were found under."""
+    """What :func:`cached_distributed_transport` keeps, holding no group strongly (design.md, "Host cost per layer")."""
 
     def __init__(self) -> None:
         self.world: Callable[[], Any] = lambda: None  # a weak reference to the world group (a dead one's gives None)
@@ -229,9 +213,8 @@ _MISSING = object()
 
 
 def cached_distributed_transport(process_group: Optional[Any]) -> Optional[DistributedTransport]:
-    """:func:`distributed_transport`, remembered per group until the default group changes (eager mode only).
-
-    It keeps no process group alive, and remembers nothing for a non-member (docs/design.md, "Host cost per layer").
+    """:func:`distributed_transport`, remembered per group until the default group changes (eager mode only), keeping
+    no group alive and nothing for a non-member (docs/design.md, "Host cost per layer").
 
     Args, Returns, Raises: as :func:`distributed_transport`.
     """
@@ -261,21 +244,20 @@ def cached_distributed_transport(process_group: Optional[Any]) -> Optional[Distr
 def new_sync_groups(group_size: int) -> Any:
     """Split the world into process groups of ``group_size`` consecutive ranks and return this rank's.
 
-    Pass the result to ``convert_model(model, process_group=...)`` to synchronize BatchNorm within each
-    group of k ranks (e.g. within a node) instead of over the whole world. Every rank must call this, in
-    the same order relative to other group creations, since creating a group is collective. Built on
-    ``torch.distributed.new_subgroups``.
+    Pass the result to ``convert_model(model, process_group=...)`` to synchronize BatchNorm within each group of k
+    ranks (e.g. a node) instead of the whole world. Creating a group is collective: every rank calls this, in the
+    same order relative to other group creations. Built on ``torch.distributed.new_subgroups``.
 
     Args:
-        group_size: ranks per group; must divide the world size.
+        group_size: ranks per group (k); must divide the world size.
 
     Returns:
-        The process group (ranks ``[r - r % k, r - r % k + k)`` for rank r) this rank belongs to.
+        This rank's process group: ranks ``[r - r % k, r - r % k + k)`` for rank r.
 
     Raises:
         RuntimeError: if ``torch.distributed`` is not initialized.
-        ValueError: if ``group_size`` is not a positive integer or does not divide the world size (raised
-            on every rank before any group is created, since all ranks see the same world size).
+        ValueError: on every rank, before any group is created, if ``group_size`` is not a positive integer or does
+            not divide the world size.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("new_sync_groups needs an initialized default process group (init_process_group)")
@@ -292,15 +274,14 @@ def new_sync_groups(group_size: int) -> Any:
 
 
 def all_gather_bytes(data: bytes, group: Optional[Any] = None, size: Optional[int] = None) -> list[bytes]:
-    """Every member's ``data``, by group rank, as uint8 tensors through ``all_gather`` (no pickling, no numpy).
-
-    Not ``all_gather_object``: it needs numpy, which torch's CPU wheel does not bring. For nccl, on the current device.
+    """Every member's ``data`` through ``all_gather`` of uint8 tensors (on the current device for nccl): not
+    ``all_gather_object``, which needs numpy, absent from torch's CPU wheel.
 
     Args:
         data: this member's bytes.
-        group: the process group; None means the world group.
-        size: a fixed length: each member's bytes cut or zero-padded to it, one collective (trailing zero bytes are
-            dropped from what comes back). None: any length, two collectives (the lengths, then the padded bytes).
+        group: the process group. Default: ``None`` (the world group)
+        size: a fixed length, each member's bytes cut or zero-padded to it: one collective (trailing zero bytes are
+            dropped from what comes back). Default: ``None``: any length, two collectives (lengths, padded bytes)
 
     Returns:
         One ``bytes`` per member of ``group``, in group rank order.

@@ -1,12 +1,7 @@
 """Collectives for ranks that have run out of inputs: the protocol behind :func:`syncbn_dist.join_layers`.
 
-Under ``torch.distributed.algorithms.Join``, a rank that has run out of batches runs a *listener* thread (a
-:class:`JoinSession`'s) that answers each of the active ranks' collectives with an empty shard's payload (count 0).
-While a peer has joined, the active ranks precede each payload with a *control*, an all-reduce of
-``[active, kind, kind², layer, layer², numel, numel², dtype, dtype²]`` to which joined ranks add zeros: its sums say
-what to answer, or that the active ranks disagree (:class:`LayerMismatchError` on every rank). Each training forward
-starts with a *header* control that counts the active ranks. All of it runs on a copy of the layers' process group.
-Why, and what each part checks: docs/design.md, "Uneven inputs under Join".
+Under ``Join``, a joined rank's *listener* thread answers the active ranks' collectives with an empty shard; while a
+peer has joined, a *control* all-reduce before each says what to answer (docs/design.md, "Uneven inputs under Join").
 """
 
 from __future__ import annotations
@@ -70,14 +65,12 @@ class _Announcement:
 
 
 class JoinSession:
-    """The state of one group's synchronized layers inside ``Join`` contexts, on this rank: shared by every joinable
-    whose layers use the group (one copy of the group, one listener thread, whatever the number of models).
+    """One group's synchronized layers inside ``Join`` contexts, on this rank: one group copy and one listener thread,
+    shared by every joinable whose layers use the group.
 
     Args:
-        process_group: the group the layers' collectives run on under ``Join``: a copy of their own group, used by
-            nothing else.
-        device: where controls and an empty shard's payloads live (the layers' device: CPU for gloo, the current
-            CUDA device for nccl).
+        process_group: a copy of the layers' own group, used by nothing else.
+        device: where controls and empty shards live: CPU for gloo, the current CUDA device for nccl.
     """
 
     def __init__(self, process_group: Any, device: torch.device) -> None:
@@ -129,12 +122,11 @@ class JoinSession:
         self.peers_joined = announcement.active < self.size
 
     def announce(self, layer: int, payload: Tensor, tracked_forward: bool = False, what: str = "") -> None:
-        """Before ``payload`` is summed on an active rank: tell the joined ranks what to answer, if any has joined
-        (``what``: this rank's layer and direction, for the error).
+        """On an active rank, before ``payload`` is summed: tell the joined ranks, if any, what to answer (``what``:
+        this rank's layer and direction, for the error).
 
         Raises:
-            LayerMismatchError: on every rank, if the active ranks are not at the same layer with payloads of the
-                same size and dtype.
+            LayerMismatchError: on every rank, if the active ranks' layers, payload sizes or dtypes differ.
         """
         if not self.peers_joined:
             return
@@ -220,13 +212,13 @@ class JoinTransport:
         self._tracked_forward = False
 
     def expect_tracked_forward(self, tracked: bool) -> None:
-        """Whether the layer's next collective, its forward payload, is of a call that updates its running statistics
-        (set by every training forward of the layer, so that no earlier call's answer outlives it)."""
+        """Whether the layer's next collective (its forward payload) updates its running statistics; set by every
+        training forward, so that no earlier call's answer outlives it."""
         self._tracked_forward = tracked
 
     def sum_(self, tensor: Tensor, tag: Optional[Any] = None) -> Tensor:
-        """:meth:`DistributedTransport.sum_` on the session's group, announced to the joined ranks (who add zeros: their
-        tag counts nothing), then ``tag`` verified over the active ranks."""
+        """:meth:`DistributedTransport.sum_` on the session's group, announced to the joined ranks (who add zeros, so
+        their tag counts nothing), then ``tag`` verified."""
         tracked_forward, self._tracked_forward = self._tracked_forward, False
         what = "" if tag is None else f"{tag.description}: {tag.direction}"
         self.session.announce(self.layer, tensor, tracked_forward, what)
@@ -246,15 +238,14 @@ class JoinTransport:
 
 
 class JoinBinding:
-    """A synchronized layer's link to the joinable it belongs to (``layer._join_binding``).
+    """A synchronized layer's link to its joinable (``layer._join_binding``).
 
-    Copies of the layer (``copy.deepcopy``, pickling, ``torch.save`` of the model) drop it: a copy is not part of
-    the ``Join``. DataParallel replicas share it (their ``__dict__`` is copied shallowly), so the master replica's
-    collective over processes is announced like any other.
+    Copies of the layer (deepcopy, pickling) drop it: a copy is not in the ``Join``. DataParallel replicas share it
+    (a shallow ``__dict__`` copy), so the master replica's collective over processes is announced like any other.
 
     Args:
-        owner: the joinable; its ``active`` says whether a ``Join`` context is open. Held weakly: a cycle through the
-            model would hold its process groups until a gc pass, past ``destroy_process_group``.
+        owner: the joinable (``active`` while a ``Join`` is open), held weakly: a cycle through the model would hold
+            its process groups past ``destroy_process_group``, until a gc pass.
         transport: the layer's :class:`JoinTransport`.
     """
 

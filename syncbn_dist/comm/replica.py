@@ -1,8 +1,5 @@
-"""The DataParallel transport: the in-process master/slave exchange between replicas running in threads.
-
-:class:`SyncMaster`, :class:`SlavePipe` and :class:`FutureResult` follow the classic Synchronized-BatchNorm
-design; :class:`DataParallelTransport` sums over the replicas and, on the master, optionally over processes;
-:func:`run_replicas_in_threads` runs replicas in threads. docs/design.md, "The DataParallel exchange".
+"""The DataParallel transport: the classic master/slave exchange (:class:`SyncMaster`, :class:`SlavePipe`,
+:class:`FutureResult`) between replicas running in threads. docs/design.md, "The DataParallel exchange".
 """
 
 from __future__ import annotations
@@ -81,11 +78,10 @@ class FutureResult:
         self.put(_Failure(error, copy_id, where))
 
     def get(self, timeout: Optional[float] = None) -> Any:
-        """Wait for the result and take it (the slot is empty again afterwards).
+        """Wait for the result and take it, emptying the slot.
 
         Raises:
-            ReplicaSyncError: after ``timeout`` seconds without the result or :meth:`mark_collected`, or if an error
-                was put.
+            ReplicaSyncError: if an error was put, or no result nor :meth:`mark_collected` came in ``timeout`` s.
         """
         with self._cond:
             if not self._cond.wait_for(lambda: self._ready or self._collected, timeout):
@@ -119,8 +115,7 @@ class SlavePipe(NamedTuple):
         return self.result.get(self.timeout)
 
     def report_failure(self, error: BaseException, where: str = "") -> None:
-        """Report that this replica failed (in ``where``): every peer waiting in this exchange, or in any of its
-        :class:`Replication`'s, raises at once (see :meth:`SyncMaster.abort`)."""
+        """Report that this replica failed (in ``where``): every waiting peer raises (:meth:`SyncMaster.abort`)."""
         if self.master is not None:
             self.master.abort(error, self.identifier, where)
         else:
@@ -130,17 +125,14 @@ class SlavePipe(NamedTuple):
 class SyncMaster:
     """The master replica's end of the exchange (the classic Synchronized-BatchNorm design).
 
-    Each slave registers once per replication (``register_slave``); in every forward the master collects
-    one message from each slave, calls ``master_callback`` on ``[(copy_id, msg), ...]`` sorted by copy_id
-    (the master's own message first), and hands each slave its entry of the returned list. Nothing waits
-    forever: a missing slave times out, and a failure wakes every waiter (:meth:`abort`; docs/design.md, "The
-    DataParallel exchange").
+    Each slave registers once per replication (:meth:`register_slave`); in every forward the master collects one
+    message from each, calls ``master_callback`` on ``[(copy_id, msg), ...]`` sorted by copy_id (its own first) and
+    hands each slave its entry of the result. A missing slave times out; a failure wakes every waiter (:meth:`abort`).
 
     Args:
         master_callback: ``[(copy_id, msg)] -> [(copy_id, result)]``, one entry per replica.
-        timeout: seconds to wait for a peer; None waits forever.
-        replication: the :class:`Replication` this exchange belongs to: an abort of any of its exchanges
-            aborts them all. Default: ``None`` (this exchange alone)
+        timeout: seconds to wait for a peer (None: forever). Default: ``SYNCBN_REPLICA_TIMEOUT`` or 300
+        replication: the :class:`Replication` whose exchanges abort together. Default: ``None`` (this one alone)
     """
 
     def __init__(
@@ -154,8 +146,7 @@ class SyncMaster:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._registry: dict[int, FutureResult] = {}
         self._activated = False  # the master has run: the next registration starts a new round
-        # The first failure of this round; later ones are not delivered (they are its consequences).
-        self._failure: Optional[_Failure] = None
+        self._failure: Optional[_Failure] = None  # the round's first; later ones are its consequences, not delivered
         self._failure_lock = threading.Lock()
         self.replication = replication
         if replication is not None:
@@ -166,12 +157,11 @@ class SyncMaster:
         return len(self._registry)
 
     def register_slave(self, identifier: int) -> SlavePipe:
-        """Register the replica with ``copy_id == identifier`` (> 0) and return its pipe; the first registration
-        after the master has run starts a new round, so one SyncMaster serves every forward.
+        """Register the replica ``copy_id == identifier`` and return its pipe; the first registration after the
+        master has run starts a new round, so one SyncMaster serves every forward.
 
         Raises:
-            ValueError: if ``identifier`` is not positive (0 is the master) or is already registered in
-                this round.
+            ValueError: if ``identifier`` < 1 (0 is the master) or is already registered in this round.
         """
         if identifier < 1:
             raise ValueError(f"expected a slave copy_id > 0 (got {identifier}); copy 0 is the master")
@@ -229,9 +219,8 @@ class SyncMaster:
         self.abort(error, 0, where)
 
     def abort(self, error: BaseException, copy_id: Optional[int] = None, where: str = "") -> None:
-        """Wake the master and every slave waiting in this exchange (and its :class:`Replication`'s): each raises
-        :class:`ReplicaSyncError` from ``error``, naming replica ``copy_id`` (None: unknown) and ``where``. Only the
-        first abort of a round is delivered."""
+        """Wake every replica waiting in this exchange (and its :class:`Replication`'s), once a round: each raises
+        :class:`ReplicaSyncError` from ``error``, naming replica ``copy_id`` (None: unknown) and ``where``."""
         failure = _Failure(error, copy_id, where)
         if self.replication is not None:
             self.replication.abort(failure)
@@ -249,8 +238,8 @@ class SyncMaster:
 
 
 class Replication:
-    """The exchanges of one replication (one call of ``execute_replication_callbacks``), failing together, so that
-    an abort reaches peers waiting at a later layer. Each :class:`SyncMaster` made with ``replication=`` adds itself."""
+    """The exchanges of one ``execute_replication_callbacks`` call, which fail together: an abort reaches peers
+    waiting at a later layer. Each :class:`SyncMaster` made with ``replication=`` adds itself."""
 
     def __init__(self) -> None:
         self._masters: list[SyncMaster] = []
@@ -278,12 +267,11 @@ class Replication:
 class DataParallelTransport:
     """Sums over the DataParallel replicas of this process, then over processes if ``inner`` is given.
 
-    The master adds the replicas' tensors with differentiable ops and sends each replica the total on its device:
-    the exchange is part of the autograd graph, so backward needs no barrier (docs/design.md, "Transports").
+    The master sums with differentiable ops: backward needs no barrier (docs/design.md, "Transports").
 
     Args:
         exchange: the :class:`SyncMaster` (replica 0) or this replica's :class:`SlavePipe`.
-        inner: a transport over processes that the master applies to the in-process total, or None.
+        inner: a transport over processes that the master applies to the in-process total. Default: ``None``
     """
 
     name = "dataparallel"
@@ -294,8 +282,7 @@ class DataParallelTransport:
         self.inner = inner
 
     def all_reduce(self, tensors: Sequence[Tensor], tags: Optional[tuple[Any, Any, bool]] = None) -> list[Tensor]:
-        """The sums over every replica (and process), differentiably; ``tags``: what the master's collective over
-        processes verifies in each direction (see :meth:`DistributedTransport.all_reduce`)."""
+        """Differentiable sums over the replicas (and processes); ``tags``: :meth:`DistributedTransport.all_reduce`."""
         if isinstance(self.exchange, SyncMaster):
             return self.exchange.run_master((list(tensors), self.inner, tags))
         return self.exchange.run_slave((list(tensors), None, None))
@@ -311,8 +298,7 @@ def sum_replica_messages(intermediates: list[tuple[int, Any]]) -> list[tuple[int
     """The :class:`SyncMaster` callback of :class:`DataParallelTransport`: sum, reduce over processes, scatter.
 
     Args:
-        intermediates: ``[(copy_id, (tensors, inner, tags))]``; the master's entry (copy_id 0) carries ``inner`` and
-            the ``tags`` its collective verifies.
+        intermediates: ``[(copy_id, (tensors, inner, tags))]``; only the master's (copy_id 0) has ``inner``, ``tags``.
 
     Returns:
         ``[(copy_id, totals on that replica's device)]``.
@@ -341,12 +327,8 @@ def new_sync_master(
 
 @functools.cache
 def install_placeholder_cuda_guard() -> None:
-    """Have torch install its placeholder CUDA device guard from a thread that lives as long as the process.
-
-    torch 2.11's CUDA wheel without a GPU registers the guard of whichever thread traces first; a replica thread's is
-    freed when it ends, and the next lookup segfaults (docs/design.md, "Compiled kernels", Threads). From the main
-    thread it installs the guard there; from any other thread, in a parked daemon thread.
-    """
+    """Have torch install its placeholder CUDA device guard (torch 2.11, no GPU) from the main thread or else a parked
+    daemon thread, so that no replica thread owns it (docs/design.md, "Compiled kernels", Threads)."""
     if torch.cuda.is_available() or not hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
         return
     if threading.current_thread() is threading.main_thread():
@@ -375,7 +357,7 @@ def run_replicas_in_threads(
     When a replica raises, ``on_error`` is called at once (to wake peers blocked in an exchange).
 
     Raises:
-        Exception: the first exception raised by a replica.
+        Exception: the first replica's exception, a root cause preferred over the ReplicaSyncErrors it caused.
     """
     install_placeholder_cuda_guard()
     grad_enabled = torch.is_grad_enabled()
@@ -401,7 +383,6 @@ def run_replicas_in_threads(
     for thread in threads:
         thread.join()
     if errors:
-        # Prefer the root cause over the ReplicaSyncErrors it triggered in the peers.
         errors.sort(key=lambda pair: (isinstance(pair[1], ReplicaSyncError), pair[0]))
         raise errors[0][1]
     return outputs

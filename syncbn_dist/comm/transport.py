@@ -1,18 +1,10 @@
 """What a transport is: the two protocols the layer's Functions take, and which one a transport follows.
 
-A transport sums tensors over the members of a group (processes, replicas, or both), with one collective per call,
-and knows nothing about batch norm. The synchronized layer has two autograd shapes, one per kind of transport:
-
-- :class:`SummingTransport` (a process group: :class:`~syncbn_dist.comm.DistributedTransport`, the Join session's
-  transport, the agreement-checking wrapper, a group of one): its plain ``sum_`` runs inside one autograd Function,
-  forward and backward (:mod:`syncbn_dist.layer.functions`);
-- :class:`ExchangeTransport` (the DataParallel exchange, :class:`~syncbn_dist.comm.DataParallelTransport`): its sum
-  is itself an autograd edge, since every replica's backward runs in one autograd thread where no exchange could
-  happen, so the layer is two Functions around it (:mod:`syncbn_dist.layer.exchange_functions`).
-
-Each transport says which it is with ``differentiable_exchange``, a class attribute: the layer reads that one flag
-to choose its autograd shape, once per call. A transport that does not set it is an exchange: ``name`` and a
-differentiable ``all_reduce`` are all :func:`syncbn_dist.layer.functions.sync_batch_norm` needs of one.
+A transport sums tensors over a group's members (processes, replicas, or both), one collective per call, knowing
+nothing of batch norm. A :class:`SummingTransport` (a process group) sums inside one autograd Function; an
+:class:`ExchangeTransport` (DataParallel replicas) is itself an autograd edge, with the layer's two Functions around
+it (docs/design.md, "Transports"). The layer reads ``differentiable_exchange`` once per call to tell which; a
+transport without it is an exchange, needing only ``name`` and ``all_reduce``.
 """
 
 from __future__ import annotations
@@ -43,12 +35,11 @@ class Transport(Protocol):
     differentiable_exchange: bool
 
     def all_reduce(self, tensors: Sequence[Tensor], tags: Optional[tuple[Any, Any, bool]] = None) -> list[Tensor]:
-        """The sums over the members of ``tensors``, as new tensors, with one collective, differentiably: the gradients
-        of the outputs are summed over the members into those of the inputs that require grad (one collective).
+        """The sums over the members of ``tensors``, as new tensors, with one collective; backward sums the gradients
+        into the inputs that require grad likewise.
 
-        ``tags`` (``(forward_tag, backward_tag, stamp)`` or None): the :class:`~syncbn_dist.comm.tags.CollectiveTag`
-        whose summed values end the flattened tensors in each direction, for a transport that verifies them where it
-        sums (:mod:`syncbn_dist.comm.tags`); a transport may ignore them (the layer verifies every total it gets)."""
+        ``tags``: ``(forward_tag, backward_tag, stamp)`` or None, the tags ending the flattened tensors in each
+        direction (:mod:`syncbn_dist.comm.tags`), for a transport to verify; the layer verifies every total anyway."""
 
     def agreement_group(self) -> Any:
         """The process group whose members check, before a collective, that they are at the same one; None when
@@ -58,9 +49,7 @@ class Transport(Protocol):
 class SummingTransport(Transport, Protocol):
     """A transport over a process group, whose sum can run inside an autograd Function."""
 
-    #: The group's name for the compiled kernels' functional collective (None: a group of one, no collective), or
-    #: :data:`UNREACHABLE` where the compiled kernels cannot reach the group (the Join session's announcements run in
-    #: Python).
+    #: The group's name for the compiled kernels' functional collective (None: a group of one) or :data:`UNREACHABLE`.
     group_name: Optional[str]
 
     def sum_(self, tensor: Tensor, tag: Optional[Any] = None) -> Tensor:
