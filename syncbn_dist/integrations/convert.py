@@ -23,7 +23,6 @@ _HOOK_STATE = tuple(name for name in vars(nn.Module()) if "hook" in name)
 # (original class, names of its instance attributes), set by convert_model: revert_model rebuilds that class with them.
 _SOURCE = "_syncbn_source"
 
-# What a strict refusal tells the user to do.
 HOW_OUT_OF_CONVERSION = (
     "Either register a synchronized equivalent that computes the same forward, "
     "syncbn_dist.register_conversion(TheClass, to_sync=TheSyncClass) with TheSyncClass a subclass of "
@@ -144,8 +143,7 @@ def _swap(
     return _swapped(module, "", classify, build, {})
 
 
-# The walks are module-level functions: a nested recursive function is a reference cycle, which would keep every module
-# it saw, and through them a process group, until a gc pass (past destroy_process_group: docs/troubleshooting.md).
+# Module-level walks: a recursive closure is a cycle, holding a process group until gc (docs/troubleshooting.md).
 
 
 def _visit(
@@ -171,8 +169,7 @@ def _swapped(
     build: Callable[..., Optional[nn.Module]],
     swapped: dict[int, nn.Module],
 ) -> nn.Module:
-    """``node`` swapped (and its descendants, in place), each module once: ``swapped`` maps a visited module's id to
-    what replaces it."""
+    """``node`` swapped (its descendants in place), each module once; ``swapped`` maps visited ids to replacements."""
     if id(node) in swapped:
         return swapped[id(node)]
     kind, detail = classify(node)
@@ -191,41 +188,34 @@ def _swapped(
 def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, strict: bool = True) -> nn.Module:
     """Replace every BatchNorm layer of ``module`` with a synchronized layer that computes the same function, in place.
 
-    Conversion never changes what a layer computes: in one process the converted model's outputs, gradients and
-    running statistics are the original's, bit for bit. Each ``_BatchNorm`` layer at any depth becomes its
-    synchronized equivalent (``nn.BatchNorm1d/2d/3d`` a :class:`SynchronizedBatchNorm1d/2d/3d`, ``nn.SyncBatchNorm``
-    a :class:`SyncBatchNorm` keeping its process group unless one is given, a model zoo's class or one given to
-    :func:`~syncbn_dist.register_conversion` its registered equivalent); a synchronized layer is kept, so converting
-    twice is a no-op; an unknown subclass is refused. Each class and what it becomes: docs/api/conversion.md, "The
-    conversion contract".
-
-    The new layers own the same parameter and buffer tensors (an optimizer's references survive), settings, instance
-    attributes, a family's child modules (so ``state_dict()`` keys are unchanged), hooks (their handles still remove
-    them) and parametrizations. A layer registered in several places becomes one synchronized layer, shared the same
-    way. LazyBatchNorm is left alone until its first forward, with a ``UserWarning`` naming it. Unlike
-    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``, it keeps a norm+act layer's activation and the layers' hooks.
+    In one process the converted model's outputs, gradients and running statistics are the original's, bit for bit.
+    ``nn.BatchNorm1d/2d/3d`` becomes :class:`SynchronizedBatchNorm1d/2d/3d`, ``nn.SyncBatchNorm``
+    :class:`SyncBatchNorm`, other classes as registered (docs/api/conversion.md, "The conversion contract");
+    synchronized layers are kept, so converting twice is a no-op. The new layers own the same tensors (an optimizer's
+    references survive), settings, instance attributes, parametrizations and, unlike with torch's
+    ``convert_sync_batchnorm``, hooks (their handles still work) and a norm+act family's children (``state_dict()`` keys
+    unchanged). A layer registered in several places becomes one layer, shared alike.
 
     Args:
         module: a model, a single BatchNorm layer, or an ``nn.DataParallel``.
-        process_group: the group the layers synchronize over; None means the world group (or, for
-            ``nn.SyncBatchNorm``, the group it already had). Layers that are already synchronized get
-            this group if it is not None.
+        process_group: the group to synchronize over; None means the world group (or an ``nn.SyncBatchNorm``'s own).
+            Already synchronized layers get it if it is not None.
         strict: if True (the default), an unknown BatchNorm subclass raises ``TypeError``; if False, such layers
             (and their children) are left unsynchronized and a warning names them.
 
     Returns:
-        ``module`` itself with layers swapped; a new layer if ``module`` is a single BatchNorm layer; and
-        for an ``nn.DataParallel``, a :class:`DataParallelWithCallback` around the converted module with
-        the same device_ids, output_device and dim.
+        ``module`` with layers swapped; a new layer if ``module`` is a single BatchNorm layer; for an
+        ``nn.DataParallel``, a :class:`DataParallelWithCallback` of the converted module with its device_ids,
+        output_device and dim.
 
     Warns:
-        UserWarning: for an ``nn.DataParallel`` that found no GPU (one replica, nothing to synchronize with),
-            pointing to ``DataParallelWithCallback(..., cpu_replicas=N)``.
+        UserWarning: for uninitialized LazyBatchNorm layers, left unsynchronized (convert after their first forward);
+            for an ``nn.DataParallel`` that found no GPU (one replica, no peer), pointing to ``cpu_replicas=N``.
 
     Raises:
-        TypeError: if ``module`` is already wrapped in DistributedDataParallel (convert before wrapping); with
-            ``strict=True``, if any layer is an unknown BatchNorm subclass: the message names every such layer's
-            path and class and the two ways out (:func:`~syncbn_dist.register_conversion`, ``strict=False``).
+        TypeError: if ``module`` is wrapped in DistributedDataParallel (convert before wrapping); with ``strict=True``,
+            for unknown BatchNorm subclasses, naming every such layer's path and class and the two ways out
+            (:func:`~syncbn_dist.register_conversion`, ``strict=False``); nothing is converted.
     """
     if isinstance(module, nn.parallel.DistributedDataParallel):
         raise TypeError(
@@ -235,7 +225,7 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, str
     if isinstance(module, nn.DataParallel):
         cpu_replicas = getattr(module, "cpu_replicas", None)
         if not module.device_ids and cpu_replicas is None:
-            # nn.DataParallel drops the device_ids it was given where it finds no GPU, and runs one replica.
+            # nn.DataParallel drops its device_ids where it finds no GPU, and runs one replica.
             warnings.warn(
                 "convert_model: this nn.DataParallel found no GPU, so it runs its module as one replica and the "
                 "synchronized layers have no peer (last_transport 'local'). To run replicas on the CPU, wrap the "
@@ -277,25 +267,23 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, str
 
 
 def revert_model(module: nn.Module, *, strict: bool = True) -> nn.Module:
-    """Replace every synchronized layer of ``module`` with a plain one, in place: the inverse of convert.
+    """Replace every synchronized layer of ``module`` with a plain one, in place, for single-device inference or export.
 
-    A layer built by :func:`convert_model` becomes an instance of its original class again, with the same tensors,
-    child modules and instance attributes (``__init__`` is not called), so ``state_dict()`` survives a round trip. A
-    layer built synchronized (e.g. under :func:`patch_sync_batchnorm`) becomes its torch counterpart:
-    ``nn.BatchNorm1d/2d/3d``, or ``nn.SyncBatchNorm`` for :class:`SyncBatchNorm`. For single-device inference or export.
+    A layer :func:`convert_model` built becomes its original class again (no ``__init__`` call) with the same tensors,
+    children and instance attributes, so ``state_dict()`` survives a round trip; one built synchronized (e.g. by
+    :func:`patch_sync_batchnorm`) becomes ``nn.BatchNorm1d/2d/3d``, or ``nn.SyncBatchNorm`` for :class:`SyncBatchNorm`.
 
     Args:
-        module: a model, a single synchronized layer, or a DataParallel wrapper (its module is reverted and
-            the wrapper returned).
-        strict: if True (the default), a synchronized subclass with its own ``forward`` or children and no record
-            of an original class raises ``TypeError``; if False it is kept, with a warning naming it.
+        module: a model, a single synchronized layer, or a DataParallel wrapper (returned, its module reverted).
+        strict: if True (the default), a synchronized subclass with its own ``forward`` or children and no record of an
+            original class raises ``TypeError``; if False it is kept, and a warning names it.
 
     Returns:
-        ``module`` itself with layers swapped, or a new layer if ``module`` is a single synchronized layer.
+        ``module`` with layers swapped, or a new layer if ``module`` is a single synchronized layer.
 
     Raises:
-        TypeError: with ``strict=True``, for a synchronized layer that has no plain counterpart (see above); the
-            message names every such layer, and nothing is reverted.
+        TypeError: with ``strict=True``, for a layer with no plain counterpart (see ``strict``), naming every such
+            layer; nothing is reverted.
     """
     if isinstance(module, nn.DataParallel):
         module.module = revert_model(module.module, strict=strict)

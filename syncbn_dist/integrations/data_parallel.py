@@ -20,8 +20,8 @@ __all__ = [
 
 
 class CallbackContext:
-    """Shared by the replicas of one original submodule during a replication (e.g. holds its SyncMaster); its
-    ``replication`` by every context of that replication, whose exchanges fail together."""
+    """Shared by the replicas of one submodule in a replication (e.g. holds its SyncMaster); ``replication`` by every
+    context of it, whose exchanges fail together."""
 
     def __init__(self, replication: Optional[Replication] = None) -> None:
         self.replication = replication
@@ -30,9 +30,8 @@ class CallbackContext:
 def execute_replication_callbacks(replicas: Sequence[nn.Module]) -> None:
     """Call ``__data_parallel_replicate__(ctx, copy_id)`` on every replica submodule that defines it.
 
-    Replica 0 is the master copy. Submodules at the same position in ``modules()`` order across replicas
-    share one :class:`CallbackContext`, so the master (copy_id 0, called first) can leave its
-    :class:`~syncbn_dist.comm.SyncMaster` there for the slaves. For replicas on any device, run by any runner: a
+    Submodules at the same position in ``modules()`` order share one :class:`CallbackContext`, so the master (replica 0,
+    called first) can leave its :class:`~syncbn_dist.comm.SyncMaster` there for the slaves. On any device and runner, a
     synchronized layer that raises makes every peer of the replication raise ``ReplicaSyncError`` naming it
     (docs/design.md, "The DataParallel exchange").
 
@@ -96,8 +95,7 @@ def _replicate_on_cpu(module: nn.Module, num_replicas: int) -> list[nn.Module]:
 
 
 def _scatter(obj: Any, num_chunks: int, dim: int) -> list[Any]:
-    """Split tensors along ``dim`` like nn.DataParallel's scatter, repeating other leaves; fewer than ``num_chunks``
-    parts for a small batch."""
+    """Split tensors along ``dim`` as nn.DataParallel's scatter does, repeating other leaves (fewer parts if small)."""
     if isinstance(obj, Tensor):
         return list(obj.chunk(num_chunks, dim))
     if isinstance(obj, (list, tuple)) and obj:
@@ -132,10 +130,7 @@ def _gather(outputs: Sequence[Any], dim: int) -> Any:
 
 
 def _refuse_functorch_transforms(inputs: Any, kwargs: Any) -> None:
-    """Raise ``RuntimeError`` if the replicas' inputs belong to a ``torch.func`` transform (jvp, grad, vjp, vmap).
-
-    The transform's state is per thread: replicas in other threads would drop its tangents without a word.
-    """
+    """Raise ``RuntimeError`` for inputs of a ``torch.func`` transform, whose per-thread state replica threads drop."""
     leaves = torch.utils._pytree.tree_leaves((inputs, kwargs))
     if any(isinstance(leaf, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(leaf) for leaf in leaves):
         raise RuntimeError(
@@ -148,16 +143,16 @@ def _refuse_functorch_transforms(inputs: Any, kwargs: Any) -> None:
 class DataParallelWithCallback(nn.DataParallel):
     """``nn.DataParallel`` whose replicate step runs the replication callbacks.
 
-    Synchronized layers use the callbacks to build their in-process exchange, so their statistics cover the whole
-    batch of the call (and of every process, under ``torch.distributed`` too). A replica that raises wakes its peers.
+    Synchronized layers build their in-process exchange there, so their statistics cover the call's whole batch (and
+    every process's, under ``torch.distributed``); a replica that raises wakes its peers.
 
     Args:
         module: the module to parallelize.
         device_ids: CUDA devices. Default: all visible devices.
         output_device: where outputs are gathered. Default: ``device_ids[0]``.
         dim: the batch dimension to scatter along. Default: 0
-        cpu_replicas: run this many replicas of a CPU module in threads instead of using CUDA devices, for
-            testing and parity (DataParallel training code in CI without a GPU), not for speed. Default: ``None``
+        cpu_replicas: run this many replicas of a CPU module in threads instead of on CUDA devices, to test
+            DataParallel training code without a GPU, not for speed. Default: ``None``
 
     Raises:
         ValueError: if ``cpu_replicas`` is not a positive integer.
@@ -202,7 +197,7 @@ class DataParallelWithCallback(nn.DataParallel):
         """Scatter, run the replicas (threads), gather.
 
         Raises:
-            RuntimeError: inside a ``torch.func`` transform (see :func:`_refuse_functorch_transforms`).
+            RuntimeError: inside a ``torch.func`` transform (jvp, grad, vjp, vmap), whose state replica threads drop.
             ValueError: with ``cpu_replicas``, for a module with a parameter or buffer off the CPU.
         """
         _refuse_functorch_transforms(inputs, kwargs)
@@ -229,10 +224,7 @@ class DataParallelWithCallback(nn.DataParallel):
 
 
 def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
-    """Make an existing ``nn.DataParallel`` run the replication callbacks, in place.
-
-    Afterwards it behaves like :class:`DataParallelWithCallback` (callbacks at replicate time, peers
-    woken when a replica fails).
+    """Make an existing ``nn.DataParallel`` behave as :class:`DataParallelWithCallback`, in place; a no-op if it does.
 
     Args:
         data_parallel: the instance to patch.

@@ -1,8 +1,8 @@
 """Synchronized equivalents of model zoos' BatchNorm subclasses, registered by import path (no zoo is imported).
 
-timm's norm+act layers, mmengine's and mmcv's ``_BatchNormXd`` (``_BatchNorm`` without the input rank check, so any
-rank) and detectron2's ``NaiveSyncBatchNorm``: which class becomes which, and why each keeps its function, is in
-docs/api/conversion.md, "The conversion contract".
+timm's norm+act layers, mmengine's and mmcv's ``_BatchNormXd`` (``_BatchNorm`` without the rank check: any rank),
+detectron2's ``NaiveSyncBatchNorm``: what each becomes, and why it keeps its function, in docs/api/conversion.md, "The
+conversion contract".
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ __all__ = ["SynchronizedBatchNormAct", "SynchronizedBatchNormAct2d"]
 
 
 class _NormActForward:
-    """``act(drop(normalized))`` after the synchronized normalization, each step only if the layer has that child,
-    as timm's norm+act layers compute it."""
+    """``act(drop(normalized))``, each step only if the layer has that child, as timm's norm+act layers compute it."""
 
     def forward(self, input: Tensor) -> Tensor:
         output = super().forward(input)  # type: ignore[misc]
@@ -31,10 +30,9 @@ class _NormActForward:
 class SynchronizedBatchNormAct2d(_NormActForward, SynchronizedBatchNorm2d):
     """:class:`~syncbn_dist.SynchronizedBatchNorm2d` followed by ``drop`` and ``act``: timm's ``BatchNormAct2d``.
 
-    ``act(drop(y))`` where ``y`` is the synchronized normalization of (N, C, H, W) input (Ioffe & Szegedy 2015,
-    arXiv:1502.03167) over the global batch. Built by :func:`~syncbn_dist.convert_model` from timm's
-    ``BatchNormAct2d``, whose ``act`` and ``drop`` children (and so every timm option) it takes over unchanged;
-    state_dict keys are the original's. In one process its output is ``BatchNormAct2d``'s bit for bit.
+    ``act(drop(y))``, ``y`` the synchronized normalization of (N, C, H, W) input over the global batch (Ioffe & Szegedy
+    2015, arXiv:1502.03167). :func:`~syncbn_dist.convert_model` builds it from timm's ``BatchNormAct2d``, taking over
+    its ``act`` and ``drop`` (every timm option) and state_dict keys; it computes the same in one process, bit for bit.
 
     Shape:
         - Input: (N, C, H, W); Output: what ``act`` returns, (N, C, H, W) for timm's activations.

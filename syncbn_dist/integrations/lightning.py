@@ -1,8 +1,7 @@
 """A Lightning ``LayerSync`` plugin over syncbn_dist: synchronized BatchNorm in ``Trainer(plugins=[...])``, CPU and GPU.
 
-Importing this module imports Lightning (``pytorch_lightning``, ``lightning.pytorch``, or both: the plugin subclasses
-the ``LayerSync`` of each one installed, so either package's ``Trainer`` accepts it). ``import syncbn_dist`` does not
-import it; install with ``pip install "syncbn_dist[lightning]"``.
+Importing it imports Lightning (``pip install "syncbn_dist[lightning]"``); ``import syncbn_dist`` does not. The plugin
+subclasses the ``LayerSync`` of ``pytorch_lightning`` and/or ``lightning.pytorch``, so either ``Trainer`` accepts it.
 """
 
 from __future__ import annotations
@@ -34,18 +33,17 @@ def _layer_sync_bases() -> tuple[type, ...]:
 class SyncBatchNormPlugin(*_layer_sync_bases()):  # type: ignore[misc]
     """A Lightning ``LayerSync`` whose ``apply`` is :func:`~syncbn_dist.convert_model`, ``revert`` :func:`revert_model`.
 
-    Where Lightning's own ``Trainer(sync_batchnorm=True)`` builds ``torch.nn.SyncBatchNorm`` (GPU only, timm's
-    activations dropped), this plugin synchronizes on gloo and nccl, keeps what each layer computes, and after ``fit``
-    returns every layer to its original class. The DDP and FSDP strategies call ``apply`` before wrapping the model
-    and ``revert`` when fitting ends. Pass it instead of ``sync_batchnorm=True`` (Lightning refuses both)::
+    Where Lightning's ``Trainer(sync_batchnorm=True)`` builds ``torch.nn.SyncBatchNorm`` (GPU only, timm's activations
+    dropped), this plugin synchronizes on gloo and nccl, keeps what each layer computes, and returns every layer to its
+    original class after ``fit``: the DDP and FSDP strategies call ``apply`` before wrapping the model and ``revert``
+    when fitting ends. Pass it instead of ``sync_batchnorm=True`` (Lightning refuses both)::
 
         from syncbn_dist.lightning import SyncBatchNormPlugin
         trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", plugins=[SyncBatchNormPlugin()])
 
     Args:
-        strict: passed to :func:`~syncbn_dist.convert_model` and :func:`~syncbn_dist.revert_model`: True (the
-            default) refuses unknown BatchNorm subclasses with ``TypeError``; False leaves them unsynchronized with
-            a warning. Default: ``True``
+        strict: passed to :func:`~syncbn_dist.convert_model` and :func:`~syncbn_dist.revert_model`: True refuses
+            unknown BatchNorm subclasses with ``TypeError``; False leaves them with a warning. Default: ``True``
 
     Raises:
         ImportError: at import of this module, if neither ``pytorch_lightning`` nor ``lightning`` imports.

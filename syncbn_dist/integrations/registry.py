@@ -1,7 +1,6 @@
-"""Which BatchNorm classes convert_model may synchronize, and into what: the registry behind the conversion contract.
+"""Which BatchNorm classes convert_model may synchronize, and into what: the registry behind docs/api/conversion.md.
 
-Classes are registered by object, or by import path (``module.QualName``) so that model zoos are matched without
-importing them; the contract is in docs/api/conversion.md.
+Classes are registered by object, or by import path (``module.QualName``) so that model zoos match without an import.
 """
 
 from __future__ import annotations
@@ -17,11 +16,8 @@ __all__ = ["register_conversion"]
 
 
 class Conversion(NamedTuple):
-    """A registry entry: the synchronized class a layer becomes, and whether the layer may own child modules.
-
-    ``moves_children`` is False for torch's own classes, whose forward uses no child: a subclass with children does
-    more than BatchNorm.
-    """
+    """A registry entry: the synchronized class a layer becomes, and whether the layer may own child modules (not for
+    torch's own classes, whose forward uses none: a subclass with children does more than BatchNorm)."""
 
     to_sync: type[SyncBatchNorm]
     moves_children: bool
@@ -36,8 +32,7 @@ _BY_CLASS: dict[type, Conversion] = {
 }
 _BY_PATH: dict[str, Conversion] = {}
 
-# The plain class each of ours reverts to when the layer carries no record of its original class (it was built
-# synchronized, e.g. under patch_sync_batchnorm). Most specific first.
+# The plain class a layer with no record of its original class (built synchronized) reverts to; most specific first.
 PLAIN_OF: tuple[tuple[type[SyncBatchNorm], type[_BatchNorm]], ...] = (
     (SynchronizedBatchNorm1d, nn.BatchNorm1d),
     (SynchronizedBatchNorm2d, nn.BatchNorm2d),
@@ -55,24 +50,22 @@ def register_conversion(cls: Union[type[nn.Module], str], to_sync: type[SyncBatc
     """Teach :func:`~syncbn_dist.convert_model` to synchronize ``cls`` layers as ``to_sync`` layers.
 
     For a BatchNorm subclass with its own ``forward`` or child modules, which convert_model otherwise refuses.
-    ``to_sync.forward`` computes what ``cls.forward`` computes with the synchronized normalization in place of the
-    local one, usually ``super().forward(x)`` followed by the extra steps. The converted layer is built through
-    ``SyncBatchNorm.__init__``, then given the original's tensors, child modules and every instance attribute
-    ``to_sync`` does not set itself, so ``to_sync.forward`` can use them by their names and ``state_dict()`` keys are
-    unchanged; :func:`~syncbn_dist.revert_model` gives the original class back. Subclasses of ``cls`` without a
-    ``forward`` of their own convert the same way. A second registration of the same class replaces the first. An
-    example: docs/api/conversion.md, "The conversion contract".
+    ``to_sync.forward`` computes what ``cls.forward`` does with the synchronized normalization in place of the local
+    one, usually ``super().forward(x)`` and the extra steps. The layer is built through ``SyncBatchNorm.__init__``, then
+    given the original's tensors, children and every instance attribute ``to_sync`` does not set (usable by name in
+    ``to_sync.forward``; ``state_dict()`` keys unchanged); :func:`~syncbn_dist.revert_model` restores the original
+    class. Subclasses of ``cls`` without their own ``forward`` convert alike; registering a class again replaces its
+    entry. Example: docs/api/conversion.md, "The conversion contract".
 
     Args:
-        cls: a subclass of ``torch.nn.modules.batchnorm._BatchNorm`` (``nn.BatchNorm1d/2d/3d``,
-            ``nn.SyncBatchNorm``, ...), or its import path ``"package.module.QualName"``, which matches a class
-            whose ``__module__ + "." + __qualname__`` is that string without importing the package.
+        cls: a subclass of ``torch.nn.modules.batchnorm._BatchNorm``, or its import path ``"package.module.QualName"``
+            (``__module__ + "." + __qualname__``), matched without importing the package.
         to_sync: the synchronized equivalent, a subclass of :class:`~syncbn_dist.SyncBatchNorm` whose ``__init__``
             takes SyncBatchNorm's arguments.
 
     Raises:
-        TypeError: ``cls`` is neither a ``_BatchNorm`` subclass nor a dotted path, ``cls`` is already synchronized
-            (a SyncBatchNorm subclass of ours), or ``to_sync`` is not a SyncBatchNorm subclass.
+        TypeError: ``cls`` is neither a ``_BatchNorm`` subclass nor a dotted path, or already synchronized (a
+            syncbn_dist SyncBatchNorm subclass), or ``to_sync`` is not a SyncBatchNorm subclass.
     """
     if not (isinstance(to_sync, type) and issubclass(to_sync, SyncBatchNorm)):
         raise TypeError(f"expected to_sync to be a subclass of syncbn_dist.SyncBatchNorm (got {to_sync!r})")

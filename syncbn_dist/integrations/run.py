@@ -8,11 +8,9 @@ Usage::
 
 It calls :func:`syncbn_dist.patch_torch_sync_batchnorm`, then runs the target as Python would: ``__name__ ==
 "__main__"``, ``sys.argv`` = ``[target, *ARGS]`` (the module's file for ``-m``), ``sys.path[0]`` the script's directory
-(the working directory for ``-m``), and the target's exit status and exceptions pass through unchanged (``sys.exit(3)``
-exits 3). Python processes the target starts inherit the patch (Lightning's DDP launcher, ``torch.multiprocessing``
-spawn), but not those started with ``-E`` or ``-I`` (how: docs/frameworks.md, "How to undo it").
-
-Exit status 2, with the usage on stderr, when no target is given.
+(the working directory for ``-m``); the target's exit status and exceptions pass through (``sys.exit(3)`` exits 3).
+Python processes it starts inherit the patch (Lightning's DDP launcher, ``torch.multiprocessing`` spawn) unless started
+with ``-E`` or ``-I`` (docs/frameworks.md, "How to undo it"). No target: exit status 2, usage on stderr.
 """
 
 from __future__ import annotations
@@ -48,8 +46,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argv: ``[SCRIPT, *ARGS]`` or ``["-m", MODULE, *ARGS]`` (``-mMODULE`` too).
 
     Returns:
-        0 after the target returns normally; 2 for a missing target. A ``SystemExit`` or exception of the target
-        propagates.
+        0 after the target returns normally; 2 for a missing target. The target's ``SystemExit`` or error propagates.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     module: Optional[str] = None

@@ -18,20 +18,19 @@ _MODES = ("mean", "broadcast")
 def sync_running_stats(module: nn.Module, process_group: Optional[Any] = None, mode: str = "mean") -> nn.Module:
     """Make running_mean and running_var of every BatchNorm-like layer identical on all ranks, in place.
 
-    For models trained with plain (unsynchronized) BatchNorm, whose running statistics drift apart across
-    ranks: call it before evaluation or checkpointing, as timm's ``distribute_bn`` does. All layers'
-    buffers are packed into one float64 tensor, so it costs one collective however many layers there are.
-    ``num_batches_tracked`` is left alone.
+    For models trained with plain BatchNorm, whose running statistics drift apart across ranks: call it before
+    evaluation or checkpointing, as timm's ``distribute_bn`` is called. One collective, on a float64 tensor packing
+    every layer's buffers, however many layers; ``num_batches_tracked`` is left alone.
 
     Args:
-        module: the model (any ``_BatchNorm`` subclass with running statistics is included: nn.BatchNorm*,
-            nn.SyncBatchNorm and syncbn_dist's layers).
+        module: the model; every ``_BatchNorm`` layer with running statistics (nn.BatchNorm*, nn.SyncBatchNorm,
+            syncbn_dist's layers).
         process_group: the group to align over; None means the world group.
-        mode: ``"mean"`` averages the buffers over the group (the running_var average is the mean of the
-            per-rank estimates, like timm); ``"broadcast"`` copies the first member's buffers to all.
+        mode: ``"mean"`` averages the buffers over the group (running_var: the mean of the per-rank estimates, as
+            timm); ``"broadcast"`` copies the first member's buffers to all. Default: ``"mean"``
 
     Returns:
-        ``module``. Without an initialized process group of more than one member, it is returned unchanged.
+        ``module``; unchanged without an initialized process group of more than one member.
 
     Raises:
         ValueError: for an unknown ``mode``, or if this rank is not a member of ``process_group``.

@@ -1,17 +1,7 @@
 """join_layers: synchronized BatchNorm under ``torch.distributed.algorithms.Join``, for uneven inputs across ranks.
 
-Usage, on every rank::
-
-    ddp_model = DistributedDataParallel(syncbn_dist.convert_model(model))
-    with Join([ddp_model, syncbn_dist.join_layers(ddp_model)]):
-        for images, labels in loader:          # a different number of batches on each rank
-            criterion(ddp_model(images), labels).backward()
-            optimizer.step()
-
-``Join([ddp_model])`` alone works too: the first synchronized layer of the process extends torch's ``Join``
-(:func:`extend_torch_join`, undone by :func:`restore_torch_join`). The protocol is in
-:mod:`syncbn_dist.comm.join_session`; docs/training.md ("Uneven inputs") and docs/design.md ("Uneven inputs under
-Join", with what the extension changes).
+Usage: docs/training.md, "Uneven inputs"; the protocol (:mod:`syncbn_dist.comm.join_session`) and what
+:func:`extend_torch_join` changes in torch's ``Join``: docs/design.md, "Uneven inputs under Join".
 """
 
 from __future__ import annotations
@@ -38,9 +28,7 @@ from .torch_patch import is_torch_sync_batchnorm_patched
 
 __all__ = ["SyncBatchNormJoinable", "extend_torch_join", "join_layers", "restore_torch_join"]
 
-# Copies of the layers' process groups, by their ranks, per default process group (creating a group is collective).
-# Held weakly: a gloo group that outlives destroy_process_group can abort the interpreter's exit (docs/design.md,
-# "State kept across calls").
+# The layers' group copies by ranks (making one is collective), held weakly (docs/design.md, "State kept across calls").
 _SESSION_GROUPS: dict[tuple[int, ...], Callable[[], Any]] = {}
 # What _SESSION_GROUPS gives for a copy this rank is not a member of.
 _NOT_A_MEMBER = object()
@@ -50,7 +38,7 @@ def _not_a_member() -> Any:
     return _NOT_A_MEMBER
 
 _SESSION_GROUPS_WORLD: list[Optional[weakref.ref[Any]]] = [None]
-# The session of each group copy, by the copy's id. Held weakly: its joinables hold it (making one is not collective).
+# The session of each group copy, by the copy's id; held weakly, as its joinables hold it.
 _SESSIONS: weakref.WeakValueDictionary[int, JoinSession] = weakref.WeakValueDictionary()
 # Each model's joinable, while the model lives (copies and pickles of the model do not carry it).
 _JOINABLES: weakref.WeakKeyDictionary[nn.Module, SyncBatchNormJoinable] = weakref.WeakKeyDictionary()
@@ -59,19 +47,16 @@ _JOINABLES: weakref.WeakKeyDictionary[nn.Module, SyncBatchNormJoinable] = weakre
 def join_layers(model: nn.Module, join_process_group: Optional[Any] = None) -> SyncBatchNormJoinable:
     """The :class:`~torch.distributed.algorithms.Joinable` of ``model``'s synchronized layers, for ``Join``.
 
-    Call it on every rank, after ``convert_model`` (and after wrapping in DistributedDataParallel, if you like:
-    the wrapper or the module it wraps both work), and pass the result to ``Join`` beside the DDP model, in either
-    order. The first call for a model is collective (it creates one process group per group its layers synchronize
-    over); later calls return the same joinable.
-
-    Inside the ``Join`` the layers run eagerly, with one small all-reduce more per training forward (and per
-    collective while a rank has joined); outside it nothing changes (docs/training.md, "Uneven inputs").
+    Call it on every rank after ``convert_model`` and pass the result to ``Join`` beside the DDP model, in either order.
+    The first call for a model is collective (it creates a process group per group its layers use). Inside the ``Join``
+    the layers run eagerly, with one small all-reduce more per training forward (and per collective while a rank has
+    joined); outside it nothing changes (docs/training.md, "Uneven inputs").
 
     Args:
         model: a module holding :class:`syncbn_dist.SyncBatchNorm` layers (or the DistributedDataParallel wrapping
             it); every rank passes the same architecture.
-        join_process_group: the group ``Join`` counts joined ranks over; it must be the DDP model's
-            ``process_group`` (None: the world group, DDP's default).
+        join_process_group: the group ``Join`` counts joined ranks over, which must be the DDP model's ``process_group``
+            (None: the world group, DDP's default).
 
     Returns:
         The joinable (the same object for the same ``model``).
@@ -80,7 +65,7 @@ def join_layers(model: nn.Module, join_process_group: Optional[Any] = None) -> S
         RuntimeError: if ``torch.distributed`` is not initialized.
         ValueError: if ``model`` holds no synchronized layer.
     """
-    extend_torch_join()  # (made already with the model's first layer, unless the layers were unpickled)
+    extend_torch_join()  # done at the model's first layer already, unless the layers were unpickled
     joinable = _JOINABLES.get(model)
     if joinable is None:
         joinable = _JOINABLES[model] = SyncBatchNormJoinable(model, join_process_group)
@@ -104,8 +89,7 @@ class SyncBatchNormJoinable(Joinable):
         model.register_forward_pre_hook(_ForwardHeader(self))
 
     def _bind_layers(self) -> list[JoinSession]:
-        """The session of each distinct group of the layers (shared with every other joinable on that group: one
-        copy of the group, one listener); give each layer its transport."""
+        """Give each layer its transport; return the session of each group (one copy and listener per group)."""
         groups = {id(layer.process_group): layer.process_group for layer in self._layers}
         copies = _session_groups([dist.group.WORLD if g is None else g for g in groups.values()], self._device)
         sessions: dict[int, JoinSession] = {}
@@ -158,16 +142,13 @@ class SyncBatchNormJoinable(Joinable):
 
 
 def synchronized_layers(model: nn.Module) -> list[nn.Module]:
-    """The layers of ``model`` that synchronize through syncbn_dist: its own, and ``torch.nn.SyncBatchNorm`` while
-    torch's class is patched (:func:`syncbn_dist.patch_torch_sync_batchnorm`)."""
+    """The layers of ``model`` that synchronize through syncbn_dist: its own, and torch's while patched."""
     patched = is_torch_sync_batchnorm_patched()
     return [m for m in model.modules() if isinstance(m, SyncBatchNorm) or (patched and isinstance(m, nn.SyncBatchNorm))]
 
 
 def _update_from_total(layer: nn.Module, total: Tensor) -> None:
-    """A joined rank's running statistics, updated from a forward's summed payload as the active ranks update
-    theirs (``SyncBatchNorm._sync_forward``, ``syncbn_dist.layer.statistics.update_running_stats``):
-    num_batches_tracked always, the buffers if the global count is at least 2."""
+    """Update a joined rank's running statistics from a forward's summed payload, as ``SyncBatchNorm`` does."""
     if not (layer.track_running_stats and layer.running_mean is not None):
         return
     with torch.no_grad():
@@ -179,8 +160,7 @@ def _update_from_total(layer: nn.Module, total: Tensor) -> None:
 
 
 class _ForwardHeader:
-    """The model's forward pre-hook that starts each training forward with the header; a copy of the model
-    (``copy.deepcopy``, pickling) gets an inert one, as its layers get no join binding."""
+    """The forward pre-hook that starts each training forward with the header; inert in a copied or unpickled model."""
 
     def __init__(self, joinable: Optional[SyncBatchNormJoinable]) -> None:
         self._joinable = joinable
@@ -213,8 +193,7 @@ class _LayersJoinHook(JoinHook):
 
 
 def _session(group: Any, device: torch.device) -> JoinSession:
-    """The session on the group copy ``group``: one per copy, shared by every joinable of this process (found by the
-    copy's identity, held weakly: the joinables that use it keep it)."""
+    """The session on the group copy ``group``: one per copy, shared by every joinable of this process."""
     session = _SESSIONS.get(id(group))
     if session is None or session.process_group is not group:
         session = JoinSession(group, device)
@@ -232,10 +211,7 @@ def _layers_device(layers: list[SyncBatchNorm], group: Any) -> torch.device:
 
 
 def _session_groups(groups: list[Any], device: torch.device) -> dict[tuple[int, ...], Any]:
-    """A copy of every group any rank's layers use, by ranks; collective over the world, on every rank alike.
-
-    Each copy has the collective timeout of the group it copies (``new_group``'s default is 30 minutes).
-    """
+    """A copy of each group any rank's layers use, by ranks, with its timeout; collective, on every rank alike."""
     timeouts = {tuple(dist.get_process_group_ranks(g)): _timeout(g, device) for g in groups}
     mine = ";".join(f"{','.join(map(str, ranks))}:{_seconds(timeout)}" for ranks, timeout in sorted(timeouts.items()))
     wanted: dict[tuple[int, ...], Optional[timedelta]] = {}
@@ -250,8 +226,7 @@ def _session_groups(groups: list[Any], device: torch.device) -> dict[tuple[int, 
         _SESSION_GROUPS_WORLD[0] = weakref.ref(dist.group.WORLD)
     copies = {}
     for ranks in sorted(wanted):
-        # Alive on every rank alike (torch holds the copy until destroy_process_group). A rank outside the copy gets no
-        # group (new_group returns an int) but remembers that it was made, so every rank decides alike to make it again.
+        # Alike on every rank: torch holds a copy until destroy_process_group; a non-member (an int) records its copy.
         reference = _SESSION_GROUPS.get(ranks)
         group = None if reference is None else reference()
         if group is None:
@@ -286,11 +261,8 @@ def _only_layers_joined(join: Join, ours: list[SyncBatchNormJoinable]) -> bool:
 
 
 def extend_torch_join() -> None:
-    """Extend torch's ``Join`` for synchronized layers (see the module docstring), until :func:`restore_torch_join`.
-
-    Done for you when the first synchronized layer of the process is made (``syncbn_dist.torch_changes``); calling it
-    again is a no-op. A ``Join`` without synchronized layers behaves as torch's.
-    """
+    """Extend torch's ``Join`` for synchronized layers, until :func:`restore_torch_join` (docs/design.md, "Uneven
+    inputs under Join"). Done when the process makes its first synchronized layer; a no-op if already done."""
     if torch_changes.is_replaced(Join, "__init__"):
         return
     init, exit_ = Join.__init__, Join.__exit__
@@ -309,9 +281,8 @@ def extend_torch_join() -> None:
             for joinable in ours:  # before Join's first collective: the active ranks' next ones need the listeners
                 joinable._start_listeners()
         elif type is not None and issubclass(type, LayerMismatchError) and _only_layers_joined(self, ours):
-            # Every active rank raised at the same collective: leave as a rank out of inputs does, so that the joined
-            # ranks' Join ends too, raising what their listeners saw. Not beside another joinable, whose collectives a
-            # joined rank may be shadowing (docs/design.md, "Uneven inputs under Join").
+            # All active ranks raised at one collective: leave as a rank out of inputs does, so joined ranks raise too;
+            # not beside others, whose collectives joined ranks may shadow (docs/design.md, "Uneven inputs under Join").
             exit_(self, None, None, None)
             return False
         try:
@@ -330,15 +301,13 @@ def extend_torch_join() -> None:
 
 
 def restore_torch_join() -> None:
-    """Undo :func:`extend_torch_join`: torch's own ``Join.__init__`` and ``Join.__exit__`` again (then only a ``Join``
-    that lists the layers' joinable, ``join_layers(model)``, synchronizes them under uneven inputs)."""
+    """Undo :func:`extend_torch_join`: torch's ``Join`` again, reaching the layers only through ``join_layers``."""
     torch_changes.restore(Join, "__init__")
     torch_changes.restore(Join, "__exit__")
 
 
 def _let_another_notify(join: Join) -> None:
-    """When a joinable of ours is first beside another (DDP), the other sends Join's per-step notification: DDP sends
-    it inside its forward, before its own collectives, where a forward pre-hook of ours may come after them."""
+    """If ours is first beside another joinable (DDP), the other sends Join's per-step notification (docs/design.md)."""
     first = join._joinables[0]
     other = next((j for j in join._joinables if not isinstance(j, SyncBatchNormJoinable)), None)
     if isinstance(first, SyncBatchNormJoinable) and other is not None:
@@ -347,9 +316,8 @@ def _let_another_notify(join: Join) -> None:
 
 
 def _join_layers_of_ddp(join: Join, kwargs: dict[str, Any]) -> None:
-    """A DDP model in ``Join`` whose synchronized layers no listed joinable covers (``Join([ddp_model])``, or beside
-    another model's ``join_layers``): add its layers' joinable, last (collective on the first ``Join`` of that model,
-    on every rank alike, as every rank builds the same ``Join``)."""
+    """Append a joinable for each DDP model's layers no listed one covers: collective at a model's first ``Join``, on
+    every rank alike, as every rank builds the same ``Join``."""
     covered = {id(layer) for joinable in _ours(join) for layer in joinable._layers}
     added = []
     for ddp in join._joinables:

@@ -1,9 +1,7 @@
 """patch_torch_sync_batchnorm: every ``torch.nn.SyncBatchNorm`` of the process synchronizes through syncbn_dist.
 
-The one place where syncbn_dist reaches into torch's classes: it replaces a few attributes of torch's classes in place,
-reversibly (the list, and why layers and subclasses made before the patch are reached: docs/frameworks.md, "What the
-patch changes"). A patched layer runs :class:`~syncbn_dist.SyncBatchNorm`'s forward on its own ``__dict__``, through
-:class:`_TorchLayerView`, so every path of the layer is the same code as for syncbn_dist's own layers.
+It replaces a few attributes of torch's classes in place, reversibly (docs/frameworks.md, "What the patch changes"). A
+patched layer runs :class:`~syncbn_dist.SyncBatchNorm`'s code on its own ``__dict__``, through :class:`_TorchLayerView`.
 """
 
 from __future__ import annotations
@@ -45,9 +43,8 @@ _strict = True
 class SyncBatchNormAct(_NormActForward, nn.SyncBatchNorm):
     """``torch.nn.SyncBatchNorm`` followed by ``drop`` and ``act`` when present: timm's ``SyncBatchNormAct``.
 
-    What the patched ``convert_sync_batchnorm`` builds from a timm ``BatchNormAct2d``, where torch's builds a plain
-    ``nn.SyncBatchNorm`` that never calls ``act`` and ``drop``. The normalization is the patched forward (Ioffe &
-    Szegedy 2015, arXiv:1502.03167, over the global batch); the state_dict keys are the original layer's.
+    What the patched ``convert_sync_batchnorm`` builds from timm's ``BatchNormAct2d`` (torch's drops ``act`` and
+    ``drop``); normalizes over the global batch (Ioffe & Szegedy 2015, arXiv:1502.03167); state_dict keys unchanged.
 
     Shape:
         - Input: (N, C, *); Output: what ``act`` returns, (N, C, *) for timm's activations.
@@ -55,8 +52,7 @@ class SyncBatchNormAct(_NormActForward, nn.SyncBatchNorm):
 
 
 class _TorchLayerView(SyncBatchNorm):
-    """syncbn_dist's SyncBatchNorm methods on a ``torch.nn.SyncBatchNorm`` layer's ``__dict__``, made by :func:`_view`;
-    what only the layer's class provides (a parametrized ``weight``, a property, the input checks) comes from it."""
+    """syncbn_dist's SyncBatchNorm methods on a torch layer's ``__dict__`` (:func:`_view`); the rest is the layer's."""
 
     __slots__ = ("_layer",)
     # torch's layers normalize by var + eps: set_sbn_eps_mode("clip") is for syncbn_dist's classes only.
@@ -83,8 +79,7 @@ def _view(layer: nn.SyncBatchNorm) -> _TorchLayerView:
     """A :class:`_TorchLayerView` sharing ``layer.__dict__``, after adding syncbn_dist's per-layer state to it."""
     state = layer.__dict__
     if "_transport_record" not in state:
-        # Shared by DataParallel replicas (shallow copies of __dict__), as SyncBatchNorm.__init__ makes it. This may
-        # run in code torch.compile traces: the agreement record is made where first needed (agreement_of).
+        # As in SyncBatchNorm.__init__ (replicas share it); agreement_of makes the agreement record: this may be traced.
         state["_transport_record"] = [None]
     view = object.__new__(_TorchLayerView)
     object.__setattr__(view, "__dict__", state)
@@ -93,8 +88,7 @@ def _view(layer: nn.SyncBatchNorm) -> _TorchLayerView:
 
 
 def _forward(self: nn.SyncBatchNorm, input: Tensor) -> Tensor:
-    """The patched ``torch.nn.SyncBatchNorm.forward``: :meth:`syncbn_dist.SyncBatchNorm.forward` on this layer (torch's
-    bit for bit in eval mode or with no peers), raising what it raises (docs/api/errors.md)."""
+    """The patched ``torch.nn.SyncBatchNorm.forward``: :meth:`syncbn_dist.SyncBatchNorm.forward` on this layer."""
     return _view(self).forward(input)
 
 
@@ -133,24 +127,9 @@ def _classify(module: nn.Module) -> tuple[str, Any]:
 def _convert_sync_batchnorm(
     cls: type, module: nn.Module, process_group: Optional[Any] = None, *, strict: bool = True
 ) -> nn.Module:
-    """Convert every BatchNorm layer of ``module`` to ``torch.nn.SyncBatchNorm``, keeping what each layer computes.
-
-    The patched ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``: torch's signature and return value, the conversion
-    contract of :func:`syncbn_dist.convert_model` (docs/frameworks.md, "What the patch changes"). Layers that are
-    already ``torch.nn.SyncBatchNorm`` get ``process_group``, as torch's converter gives them.
-
-    Args:
-        module: a model or a single BatchNorm layer.
-        process_group: the group the layers synchronize over; None means the world group.
-        strict: see :func:`syncbn_dist.convert_model`.
-
-    Returns:
-        ``module`` itself with layers swapped, or the new layer if ``module`` is a single BatchNorm layer.
-
-    Raises:
-        TypeError: with ``strict=True``, for BatchNorm subclasses whose forward a synchronized layer would not compute
-            (the message names each layer and class); nothing is converted.
-    """
+    """The patched ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``: torch's signature and return value (existing
+    ``nn.SyncBatchNorm`` layers get ``process_group``, as in torch), with :func:`syncbn_dist.convert_model`'s contract,
+    ``strict`` and ``TypeError`` (docs/frameworks.md)."""
 
     def build(layer: nn.Module, name: str, kind: str, entry: Any) -> nn.Module:
         if kind == "keep":
@@ -218,8 +197,7 @@ def _check_reached(classes: list[type], where: str, strict: bool) -> None:
 
 
 def _passing_sync_batchnorm_handle(self: DistributedDataParallel, module: nn.Module) -> None:
-    """DDP's check of SyncBatchNorm layers, patched: CPU modules are accepted; classes the patched forward does not
-    reach (defined after the patch) are refused, or named in a warning under ``strict=False``."""
+    """DDP's SyncBatchNorm check, patched: accepts CPU modules; refuses (warns, not strict) classes the patch misses."""
     classes = {type(m) for m in module.modules() if isinstance(m, nn.SyncBatchNorm)}
     _check_reached(sorted(classes, key=class_path), "DistributedDataParallel", _strict)
 
@@ -254,32 +232,29 @@ class _Patch:
 def patch_torch_sync_batchnorm(*, strict: bool = True) -> _Patch:
     """Make every ``torch.nn.SyncBatchNorm`` layer of this process synchronize through syncbn_dist, on CPU and GPU.
 
-    For frameworks that build ``torch.nn.SyncBatchNorm`` themselves (mmengine, timm, Lightning, detectron2: see
-    docs/frameworks.md). Call it once at the top of a training script; ``python -m syncbn_dist.run train.py`` calls
-    it for you (and for the processes the script starts). In place and reversibly, torch's forward becomes
-    :class:`~syncbn_dist.SyncBatchNorm`'s (in eval mode and without peers torch's computation, bit for bit), its
-    ``convert_sync_batchnorm`` keeps what each layer computes, as :func:`~syncbn_dist.convert_model` does, and
-    ``DistributedDataParallel`` accepts CPU modules (every change: docs/frameworks.md, "What the patch changes").
-    Layers built before the call, and subclasses whose forward calls ``super().forward``, are reached too. Calling
-    it again is a no-op (``strict`` is updated). The return value is a context manager that restores the state from
-    before the call when its block ends, also on an exception::
+    For frameworks that build ``torch.nn.SyncBatchNorm`` themselves (docs/frameworks.md); ``python -m syncbn_dist.run
+    train.py`` calls it for you, in the processes the script starts too. In place and reversibly, torch's forward
+    becomes :class:`~syncbn_dist.SyncBatchNorm`'s (torch's bit for bit in eval mode and without peers),
+    ``convert_sync_batchnorm`` keeps what each layer computes as :func:`~syncbn_dist.convert_model` does, and DDP
+    accepts CPU modules (docs/frameworks.md, "What the patch changes"); layers built before the call and subclasses
+    whose forward calls ``super().forward`` are reached too. A second call only updates ``strict``. The returned context
+    manager restores the earlier state when its block ends, also on an exception::
 
         syncbn_dist.patch_torch_sync_batchnorm()          # for the rest of the process
         with syncbn_dist.patch_torch_sync_batchnorm():    # for the block only
             trainer.fit(model)
 
     Args:
-        strict: if True (the default), a ``torch.nn.SyncBatchNorm`` subclass whose own ``forward`` does not call
-            ``super().forward`` (read from its bytecode names), other than the known model-zoo classes, raises
-            ``TypeError``: here for the classes defined now, in ``DistributedDataParallel(...)`` for later ones. If
-            False, a ``UserWarning`` names them and they keep their own forward.
+        strict: if True (the default), a subclass whose own ``forward`` does not call ``super().forward`` (by its
+            bytecode; known model-zoo classes pass) raises ``TypeError``, here if defined now, else in
+            ``DistributedDataParallel(...)``; if False, a ``UserWarning`` names it and it keeps its forward.
 
     Returns:
         A context manager; leaving it unpatches if this call patched.
 
     Raises:
-        TypeError: with ``strict=True``, for subclasses the patch cannot reach (the message names each class, the
-            forward that stops it and what to do); nothing is patched then.
+        TypeError: with ``strict=True``, for subclasses the patch cannot reach, naming each class, the forward that
+            stops it and the ways out; nothing is patched.
     """
     global _strict
     was_patched = is_torch_sync_batchnorm_patched()
@@ -295,8 +270,7 @@ def patch_torch_sync_batchnorm(*, strict: bool = True) -> _Patch:
 def unpatch_torch_sync_batchnorm() -> None:
     """Undo :func:`patch_torch_sync_batchnorm`: torch's own attributes again, the same objects; a no-op if not patched.
 
-    Layers keep their tensors and state (and the few private attributes the patched forward added, which torch's
-    forward ignores).
+    Layers keep their tensors and state (and the private attributes the patched forward added, which torch ignores).
     """
     for cls, name in _REPLACEMENTS:
         torch_changes.restore(cls, name)

@@ -1,5 +1,2 @@
-"""The start-up hook of ``python -m syncbn_dist.run``: a directory put first on the children's PYTHONPATH.
-
-It holds ``sitecustomize.py`` only, which Python imports at start-up (see :mod:`syncbn_dist.run`). Never imported as a
-package; it is one so that the wheel ships it.
-"""
+"""The start-up hook of ``python -m syncbn_dist.run``: this directory, first on the children's PYTHONPATH, holds only
+``sitecustomize.py`` (see :mod:`syncbn_dist.run`). A package only so that the wheel ships it; never imported as one."""

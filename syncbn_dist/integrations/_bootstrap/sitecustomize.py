@@ -1,8 +1,7 @@
 """Start-up hook of the processes a ``python -m syncbn_dist.run`` job starts: the patch, inherited.
 
-:mod:`site` imports it in every Python process of the job (how: docs/frameworks.md, "How to undo it"), as
-``ddtrace-run`` and ``opentelemetry-instrument`` do. It runs the ``sitecustomize`` it shadows, then patches where
-``SYNCBN_PATCH_TORCH`` is ``1``; a failure is reported on stderr and the process goes on, as :mod:`site` does.
+:mod:`site` imports it in every Python process of the job (docs/frameworks.md, "How to undo it"), as ``ddtrace-run`` and
+``opentelemetry-instrument`` do. It runs the ``sitecustomize`` it shadows, then patches if ``SYNCBN_PATCH_TORCH=1``.
 """
 
 import importlib.machinery
@@ -12,7 +11,7 @@ import sys
 
 
 def _run_shadowed() -> None:
-    """Run the ``sitecustomize`` that this directory's shadows (the next one on sys.path), as Python would have."""
+    """Run the ``sitecustomize`` that this one shadows (the next one on sys.path), as Python would have."""
     here = os.path.dirname(os.path.abspath(__file__))
     rest = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
@@ -34,5 +33,5 @@ def _patch() -> None:
 for _step in (_run_shadowed, _patch):
     try:
         _step()
-    except Exception as _error:  # noqa: BLE001 - start-up goes on, as site does for sitecustomize
+    except Exception as _error:  # noqa: BLE001 - reported on stderr; start-up goes on, as site does for sitecustomize
         sys.stderr.write(f"syncbn_dist start-up hook ({_step.__name__}) failed: {type(_error).__name__}: {_error}\n")
