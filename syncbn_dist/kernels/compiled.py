@@ -1,13 +1,9 @@
 r"""The synchronized layer's per-element work as one Python source that ``torch.compile`` (inductor) fuses.
 
-Four passes, 8 activation accesses per element (32 B per float32 element, no float64 copy): forward
-:func:`shard_payload` and :func:`normalize`, backward :func:`grad_reductions` and :func:`grad_input`. Over a process
-group each direction is one compiled region with torch's functional all_reduce inside (:func:`forward_region`,
-:func:`backward_region`); DataParallel replicas run the native kernels in every mode. The same source is what a
-user's ``torch.compile`` traces into its graph (:func:`layer_forward`, :func:`layer_backward`), on every device.
-Which eager calls take these kernels: :func:`takes_compiled_kernels` (``syncbn_dist.set_kernels``). The design, the
-exactness argument (shifted float64 sums, Chan et al. 1979) and what inductor needed, with their measurements:
-docs/design.md, "Compiled kernels"; docs/compile.md.
+Four passes, 8 activation accesses per element (:func:`shard_payload`, :func:`normalize`, :func:`grad_reductions`,
+:func:`grad_input`), one compiled region per direction over a process group (:func:`forward_region`,
+:func:`backward_region`), traced by a user's ``torch.compile`` too (:func:`layer_forward`, :func:`layer_backward`).
+Design, exactness (Chan et al. 1979) and measurements: docs/design.md, "Compiled kernels"; docs/compile.md.
 """
 
 from __future__ import annotations
@@ -54,12 +50,11 @@ def use_compiled(input: Tensor) -> bool:
         RuntimeError: in ``"compiled"`` mode, where inductor cannot build kernels for the input's device.
     """
     mode = get_kernels()  # first: with the native kernels nothing else is looked up
-    # "auto" compiles for CPU tensors only: on CUDA a layer is bound by per-call host work, where the two sets
-    # measured about even, and the native kernels compile nothing (docs/performance_cuda.md; docs/design.md, "CUDA").
+    # "auto" compiles for CPU only: on CUDA the two sets measured even (docs/design.md, "Compiled kernels", CUDA).
     if mode == "native" or (mode == "auto" and input.device.type != "cpu"):
         return False
-    # A shard of at most one value per channel needs the native path's count check (a host read). torch.compile
-    # refuses to run under a TorchDispatchMode (an op counter, FlopCounterMode): those see the native ops.
+    # A shard of <= 1 value per channel needs the native count check (a host read); torch.compile cannot run under
+    # a TorchDispatchMode (an op counter, FlopCounterMode).
     if is_compiling() or input.size(1) == 0 or _values_per_channel(input) < 2 or _dispatch_mode_active():
         return False
     missing = _missing_compiler(input.device.type)
@@ -119,13 +114,8 @@ def _reduced_dims(input: Tensor) -> list[int]:
 
 
 def _sum_per_channel(t: Tensor, staged: bool = True) -> Tensor:
-    """Sum a (N, C, *) tensor over every dimension but C into (C,) float64, viewed as (N, C, L).
-
-    ``staged=False`` (a user's graph): one reduction, as plain BatchNorm's ``var_mean``, laid out by inductor
-    (ResNet-50 on CPU: 1.9 generated kernels per layer over plain BatchNorm's, against 4.4 staged). Staged: float64
-    channels-innermost terms over L, then N (one sample's slab stays in cache); float32 terms (float16/bfloat16
-    input) per sample in float32, over samples in float64. Why, measured: docs/design.md, "What inductor needed".
-    """
+    """Sum a (N, C, *) tensor over all but C into (C,) float64: in one reduction unless ``staged`` (eager), which sums
+    channels-innermost or float32 terms per sample first (docs/design.md, "Compiled kernels"; docs/compile.md)."""
     if not staged:
         return t.sum([0, *range(2, t.dim())]).to(_F64)
     if t.dim() != 3:
@@ -149,19 +139,14 @@ def _term_dtype(x: Tensor) -> torch.dtype:
     return _F64 if stat == x.dtype else stat
 
 
-# The one source: plain torch ops on (N, C, *) tensors, eager (N, C, L) views with N * L >= 2, or the layer's own
-# tensors in a user's graph, an empty shard included. Per-channel coefficients are returned so inductor stores them.
+# The one source: plain torch ops on eager (N, C, L) views with N * L >= 2, or a user's graph's (maybe empty) tensors.
 
 
 def shard_payload(x: Tensor, tag: Optional[Tensor] = None, *, staged: bool = True) -> tuple[Tensor, Tensor]:
     """``[sum(x) (C), sum(x**2) (C), count, tag (5)]`` of one shard as (2C + 6,) float64, from one pass over ``x``;
     ``tag`` is the collective's tag (:mod:`syncbn_dist.comm.tags`), five float64 values (None: no tag, 2C + 1 values).
-
-    The sums are taken about ``s``, the shard's first value per channel, in :func:`_term_dtype` (exact, and small
-    next to a large mean): ``sum(x) = sum(d) + n s`` and ``sum(x**2) = sum(d**2) + s (2 sum(d) + n s)`` with
-    ``d = x - s`` (Chan et al. 1979, as sums). Returns ``(payload, s)``: ``s`` (C,) is an output so that inductor
-    stores it (inlined, its reload counted as another pass over ``x``).
-    """
+    Returns ``(payload, s)``: the sums are taken about ``s`` (C,), the first value per channel, and ``s`` is an output
+    so that inductor stores it (Chan et al. 1979, as sums; docs/design.md, "Compiled kernels")."""
     count = _values_per_channel(x)
     terms = _term_dtype(x)
     if count == 0:  # an empty shard (only under a user's torch.compile): its sums, zeros made from x, not constants
@@ -192,9 +177,8 @@ def _first_value_per_channel(x: Tensor) -> Tensor:
 
 
 def _stored(t: Tensor) -> Tensor:
-    """``t`` (a per-channel coefficient) as a buffer inductor computes once per channel and stores, not inlined into
-    every element: an identity ``as_strided`` needs its input realized (a view in eager mode). docs/compile.md, "One
-    source on every device"; held by tests/test_compiled_graph.py (C4)."""
+    """``t`` (a per-channel coefficient) as a buffer inductor stores, not inlined into every element: an identity
+    ``as_strided`` needs its input realized (docs/compile.md, "One source on every device"; C4 holds it)."""
     return t.as_strided(t.size(), t.stride())
 
 
@@ -216,19 +200,15 @@ def normalize(
     y = (x.to(dtype) - mean_s.view(shape)) * scale_s.view(shape)
     if bias is not None:
         y = y + bias.to(dtype).view(shape)
-    # count is returned as a copy: a view of the input total would be rebuilt outside the graph by AOTAutograd, and
-    # a region whose output is not one of its graph's own is not called directly (syncbn_dist.direct_call).
+    # count as a copy: AOTAutograd rebuilds a view of an input outside the graph, which rules out a direct call.
     return y.to(x.dtype), mean_s, unbiased_var.to(dtype), var.to(dtype), count.clone(), scale_s
 
 
 def grad_reductions(
     dy: Tensor, x: Tensor, mean: Tensor, var: Tensor, ones: Optional[Tensor], eps: float, *, staged: bool = True
 ) -> Tensor:
-    """This shard's ``[sum(dy) (C), sum(dy * x_hat) (C)]`` as (2C,) float64, from one pass over ``dy`` and ``x``.
-
-    ``ones`` (C,) holds 1.0 or is None (:func:`channel_ones`): ``sum(dy * ones)`` is indexed by channel as
-    ``sum(dy * x_hat)`` is, so inductor fuses the two sums into one read of ``dy`` (two-stage float16/bfloat16 sums).
-    """
+    """This shard's ``[sum(dy) (C), sum(dy * x_hat) (C)]`` as (2C,) float64, from one pass over ``dy`` and ``x``;
+    ``ones``: :func:`channel_ones`."""
     terms, shape = _term_dtype(x), _channel_shape(x)
     grad = dy.to(terms)
     centred = x.to(terms) - mean.to(terms).view(shape)
@@ -278,8 +258,7 @@ def forward_region(
 
 
 def _summed_tag(total: Tensor, tag: Optional[Tensor]) -> Optional[Tensor]:
-    """The summed tags at the end of ``total`` (None without a ``tag``), as a copy (a region returns no view of its own
-    intermediates)."""
+    """The summed tags at the end of ``total`` as a copy (a region returns no view of its intermediates), or None."""
     return None if tag is None else total.narrow(0, total.numel() - TAG_SIZE, TAG_SIZE).clone()
 
 
@@ -289,10 +268,9 @@ def backward_region(
     staged: bool = True, verify: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> tuple[Optional[Tensor], ...]:
     """One layer's backward over a process group: local reductions, all_reduce, grad_input. Returns ``(grad_input or
-    None, sum(dy * x_hat), sum(dy), summed tag, *coefficients)``, the sums local, in the statistics dtype (DDP
-    averages the parameter gradients, as with ``torch.nn.SyncBatchNorm``). The payload ``[sum(dy), sum(dy * x_hat),
-    0, tag]`` has the forward's size, so a forward meeting a backward is a tag mismatch. ``staged``, ``verify``: as
-    :func:`forward_region`'s."""
+    None, sum(dy * x_hat), sum(dy), summed tag, *coefficients)``, the sums local (DDP averages the parameter gradients,
+    as with ``torch.nn.SyncBatchNorm``), in the statistics dtype. The payload has the forward's size (docs/design.md,
+    "The statistics"). ``staged``, ``verify``: as :func:`forward_region`'s."""
     local = grad_reductions(dy, x, mean, var, ones, eps, staged=staged)
     # In the statistics dtype here, right after the reductions, so that the compiler converts them there too.
     sum_dy, sum_dy_xhat = local.to(_stat_dtype(x)).chunk(2)
@@ -311,19 +289,15 @@ _backward_region = _CompiledKernel(backward_region)
 COMPILED_KERNELS = (_forward_region, _backward_region)
 
 
-# The entry points of syncbn_dist.layer.functions: each views the (N, C, *) tensors as detached (N, C, L) (one graph
-# per dtype and layout; a tensor that requires grad costs a region 15-50 µs), affine parameters in the statistics dtype.
-
-
 def _as_3d(t: Tensor) -> Tensor:
-    """``t`` (N, C, *) as a detached (N, C, L) view."""
+    """``t`` (N, C, *) as a detached (N, C, L) view, how the entry points below pass tensors to a region."""
     t = t.detach()
     return t.unsqueeze(2) if t.dim() == 2 else t.flatten(2)
 
 
 def channel_ones(x: Tensor) -> Optional[Tensor]:
-    """The ``ones`` of :func:`grad_reductions`: (C,) ones in the dtype of the reductions' terms where their sums are
-    taken in two stages over contiguous input (float16/bfloat16), else None."""
+    """(C,) ones in the reductions' term dtype where they sum in two stages over contiguous (float16/bfloat16) input,
+    else None: ``sum(dy * ones)`` then fuses with ``sum(dy * x_hat)`` (docs/design.md, "Compiled kernels")."""
     terms = _term_dtype(x)
     return None if terms == _F64 or x.stride(1) == 1 else x.new_ones(x.size(1), dtype=terms)
 
@@ -350,8 +324,7 @@ def layer_forward(
     Returns ``(output, mean, unbiased_var, var, count, summed_tag)``: the output in the input's shape, dtype and
     memory format; the statistics in the statistics dtype (``var`` the normalizing variance); the (1,) float64 global
     count; the summed tags, which the caller verifies (``tag``: its :class:`~syncbn_dist.comm.tags.CollectiveTag`).
-    Under a user's ``torch.compile`` the region's source is traced into the user's graph on the input itself, and
-    ``tag`` is a :class:`~syncbn_dist.comm.tags.TracedTag`, checked by an op of the graph.
+    Under a user's ``torch.compile``, traced into its graph on the input, with a ``TracedTag`` checked in the graph.
     """
     if is_compiling():
         tag_values, verify = _traced_check(tag, input, group_name)
@@ -367,8 +340,7 @@ def _traced_check(
     tag: Any, input: Tensor, group_name: Optional[str], backward: bool = False
 ) -> tuple[Tensor, Optional[Callable[[Tensor], Tensor]]]:
     """The tag's values as a constant of the traced graph, and what checks a summed payload there
-    (:func:`~syncbn_dist.comm.tags.checked_in_graph`; None for a collective without peers,
-    :data:`~syncbn_dist.comm.tags.NO_TAG`)."""
+    (:func:`~syncbn_dist.comm.tags.checked_in_graph`; None without peers or for ``NO_TAG``)."""
     # Padded to nine values: inductor inlines a constant of at most eight into the kernel's source, which would make
     # every layer's kernels distinct; a larger one is a buffer argument, so layers of one shape share their kernels.
     values = torch.tensor((*tag.values, 0.0, 0.0, 0.0, 0.0), dtype=_F64, device=input.device)[:TAG_SIZE]

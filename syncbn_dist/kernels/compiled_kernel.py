@@ -1,9 +1,5 @@
-"""A function compiled by ``torch.compile`` once per signature, whose later calls run its inductor graph directly.
-
-:class:`_CompiledKernel` is how :mod:`syncbn_dist.kernels` compiles each of its regions: one graph per signature
-(device, dtype, layout, sizes of one and the non-tensor arguments), built on the first call under a lock (replica
-threads meet it together), then called through :class:`syncbn_dist.direct_call.DirectCall` where Dynamo's guards
-would pass the call anyway. Also here: what compiling inside a DDP forward or a replica thread needs.
+"""A function compiled by ``torch.compile`` once per signature, whose later calls run its inductor graph directly
+(:class:`_CompiledKernel`), and what compiling inside a DDP forward or a thread needs.
 """
 
 from __future__ import annotations
@@ -23,13 +19,9 @@ from .direct_call import DirectCall, GraphCallRecorder, recording_backend
 
 
 def _outside_ddp_forward(compiled: Callable[..., Any], *args: Any) -> Any:
-    """Call ``compiled`` with DistributedDataParallel's active module cleared.
-
-    Inside a DDP forward, Dynamo takes any compilation for the DDP model's and splits its graph at DDP's gradient
-    buckets (``optimize_ddp``), which fails on a kernel ("First bucket should be smaller/equal to other buckets").
-    The class attribute is what Dynamo reads (``DistributedDataParallel._get_active_ddp_module``); setting it costs
-    nothing, where ``torch._dynamo.config.patch(optimize_ddp=False)`` costs 27 µs a call.
-    """
+    """Call ``compiled`` with DistributedDataParallel's active module cleared: inside a DDP forward, Dynamo would split
+    a kernel's graph at DDP's gradient buckets, which fails ("First bucket should be smaller/equal to other buckets";
+    docs/design.md, "Private torch APIs")."""
     if DistributedDataParallel._active_ddp_module is None:
         return compiled(*args)
     with torch_changes.temporarily(DistributedDataParallel, "_active_ddp_module", None):
@@ -38,23 +30,17 @@ def _outside_ddp_forward(compiled: Callable[..., Any], *args: Any) -> Any:
 
 # Held for the first call of every signature: one compilation at a time, under the config patch above it.
 _FIRST_CALL_LOCK = threading.Lock()
-# Whether a signature's later calls run its inductor graph directly (syncbn_dist.direct_call) where they can; the
-# torch.compile path otherwise. Read when a signature is first compiled.
+# Whether a signature's later calls run its inductor graph directly where they can (read at its first compile).
 DIRECT_CALLS = True
 
 
 class _CompiledKernel:
-    """``torch.compile(fn, dynamic=True, fullgraph=True)`` per signature, built on first use.
+    """``torch.compile(fn, dynamic=True, fullgraph=True)`` per signature, built on first use under a lock.
 
-    A signature is the first tensor's device, dtype, layout and sizes of one, and the values of the arguments that
-    are not tensors (``eps``, ``clip``, the group name, ``need_input``, an absent ``ones``): each is a constant of its
-    graph. A float would otherwise be a symbolic input that every call converts to a tensor, and a layer with another
-    ``eps`` gets a graph of its own (models use one ``eps``). Each signature compiles a copy of ``fn``'s code object,
-    so each has its own Dynamo cache and recompilation limit (a process that meets many dtypes and layouts would
-    exhaust a single one); a lock around the first call of a signature makes replica threads that meet it together
-    compile it once, and sizes that happen to be equal then get symbols of their own (no duck sizing), so a signature
-    compiles once. Its later calls run its inductor graph directly where Dynamo's guards would pass them
-    (:class:`syncbn_dist.direct_call.DirectCall`, built from the first call), and through ``torch.compile`` otherwise.
+    A signature is the first tensor's device, dtype, layout and sizes of one, and the arguments that are not tensors
+    (``eps``, ``clip``, the group name, ...), constants of its graph; each compiles a copy of ``fn``'s code object, with
+    its own Dynamo cache. Later calls run the inductor graph directly where Dynamo's guards would pass them
+    (:class:`~syncbn_dist.kernels.direct_call.DirectCall`). Why: docs/design.md, "Compiled kernels".
     """
 
     def __init__(self, fn: Callable[..., Any]) -> None:
@@ -62,10 +48,8 @@ class _CompiledKernel:
         self.compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self.direct: dict[tuple[Any, ...], Optional[DirectCall]] = {}
 
-    # Never traced (marked below): a user's torch.compile traces the native ops instead (is_compiling), but where it
-    # runs the layer eagerly while Dynamo still intercepts new frames (a frame it skips, e.g. past its recompile
-    # limit), Dynamo would otherwise trace into inductor's generated code of a direct call, whose in-place functional
-    # all_reduce it cannot compile.
+    # Never traced (marked below): where a user's torch.compile runs the layer eagerly in a frame it skips (past its
+    # recompile limit), Dynamo would trace into a direct call's code, whose in-place all_reduce it cannot compile.
     def __call__(self, x: Tensor, *args: Any) -> Any:
         # Sizes of 0 and 1 are specialized by Dynamo even with dynamic shapes: N, C and L of one are signatures.
         sizes_of_one = (x.size(0) == 1, x.size(1) == 1, x.size(2) == 1)
@@ -79,8 +63,7 @@ class _CompiledKernel:
         compiled = self.compiled.get(signature)
         if compiled is not None:
             return _outside_ddp_forward(compiled, x, *args)
-        # No duck sizing: sizes that happen to be equal at the first call (N == C) would otherwise share a symbol,
-        # and every later call where they differ would recompile, until Dynamo's recompile limit fails the call.
+        # No duck sizing: equal first sizes (N == C) would share a symbol, recompiling until the limit fails a call.
         from torch._dynamo import config as dynamo_config  # (loaded on first use: syncbn_dist.compiler_marks)
         from torch.fx.experimental import _config as fx_config
 

@@ -1,31 +1,9 @@
 r"""A compiled region's inductor graph, called without ``torch.compile``'s per-call machinery.
 
-Every call of a function compiled by ``torch.compile`` passes Dynamo's frame entry and guard evaluation,
-AOTAutograd's runtime wrappers and several ``torch._dynamo.disable`` trampolines before inductor's generated code
-runs. For the small layers of a training step that is most of the layer's host time: about 40 µs a region called in
-a loop and 60-120 µs inside a step, where the kernels have just streamed megabytes through the cache (measured on 2
-cores at (256, 512) float32: a step's two regions cost 440-500 µs through ``torch.compile`` and 315-380 µs when
-inductor's graph is called directly). :class:`syncbn_dist.kernels._CompiledKernel` therefore calls the graph
-directly once it has seen it run, for calls that Dynamo's guards would pass anyway.
-
-How a :class:`DirectCall` is built, from the first call of a signature (which takes the ``torch.compile`` path):
-
-- the backend (:func:`recording_backend`, inductor's ``compile_fx``) records the sources of Dynamo's graph inputs:
-  an argument of the region, or a size, stride or storage offset of one;
-- :class:`GraphCallRecorder` records, on this thread, inductor's compiled graph (``CompiledFxGraph``) with the
-  inputs it was called with and the outputs it returned;
-- a DirectCall exists only if every graph input is such a source (checked against the recorded values: each tensor
-  is the argument itself, each integer its property), and every output of the region is one of the graph's outputs
-  or None (so no wrapper rebuilt it). Otherwise the signature keeps the ``torch.compile`` path.
-
-What Dynamo's guards check that a DirectCall checks itself before each call (:meth:`DirectCall.__call__` returns
-None where a check fails, and the caller takes the ``torch.compile`` path, whose guards then decide): the caller's
-signature (device, dtype, layout, sizes of one and every non-tensor argument, the key of
-:class:`~syncbn_dist.kernels._CompiledKernel`'s table); each tensor argument's memory layout class (contiguous or
-channels innermost) and, where Dynamo specialized it, its storage offset; plain tensors (no subclass, no functorch
-transform active) that do not require grad, with grad mode off. The sizes Dynamo left symbolic are read from the
-arguments on each call, as its own bytecode does. inductor's generated code still asserts every input's size and
-stride, so a call the checks miss fails loudly rather than reading the wrong memory.
+After a signature's first call (which takes the ``torch.compile`` path), :class:`DirectCall` calls its inductor graph
+with inputs read from the region's arguments, after checking what Dynamo's guards would; a call that fails a check
+returns None and takes the ``torch.compile`` path. How it is built, what it checks, and what it saves (Dynamo's
+guards and AOTAutograd's wrappers, 60-120 µs a region inside a step): docs/design.md, "Compiled kernels" ("Cost").
 """
 
 from __future__ import annotations
@@ -46,9 +24,8 @@ _Recipe = tuple[tuple[int, Optional[tuple[str, tuple[int, ...]]]], ...]
 
 
 def recording_backend(record: dict[str, Any]) -> Callable[..., Any]:
-    """A ``torch.compile`` backend that is inductor's, and keeps the sources of Dynamo's graph inputs (its
-    placeholders' ``grapharg.source``, None where there is none) in ``record["sources"]``, taken before inductor's
-    passes rewrite the graph."""
+    """Inductor as a ``torch.compile`` backend that first keeps the sources of Dynamo's graph inputs (its placeholders'
+    ``grapharg.source``, or None) in ``record["sources"]``, before inductor's passes rewrite the graph."""
 
     def backend(graph_module: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         from torch._inductor.compile_fx import compile_fx

@@ -1,8 +1,7 @@
 """The native kernels: the synchronized layer's per-element work as torch's own batch-norm ops.
 
-The ``"native"`` kernel set (:func:`syncbn_dist.set_kernels`), and every call the compiled kernels do not serve: the
-inference-mode batch norm and its backward on CPU, the kernels ``torch.nn.SyncBatchNorm`` uses on CUDA. The two
-regimes and their bytes per element: docs/design.md, "Bytes per activation element".
+The ``"native"`` kernel set, and every call the compiled kernels do not serve: CPU's inference-mode batch norm and its
+backward, CUDA's ``torch.nn.SyncBatchNorm`` kernels. Its two regimes: docs/design.md, "Bytes per activation element".
 """
 
 from __future__ import annotations
@@ -15,23 +14,20 @@ from torch import Tensor
 from .statistics import COMBINE_DTYPE, invstd_and_scale, payload_of
 from .tracing import is_compiling
 
-# CPU's batch-norm backward (in inference mode it takes given statistics): the overload's C++ callable where torch
-# exposes it (what OpOverload.__call__ calls, without its Python frame).
+# CPU's batch-norm backward: the overload's C++ callable where torch exposes it (no OpOverload.__call__ frame).
 _overload = torch.ops.aten.native_batch_norm_backward.default
 _NATIVE_BATCH_NORM_BACKWARD = getattr(_overload, "_op", _overload)
 
 
-# Eager CPU float32/float64 activations of at least this many elements take the memory-lean path, the rest the
-# op-lean one (the measured crossover: docs/design.md, "Bytes per activation element").
+# The memory-lean path's threshold (_lean_regime), a measured crossover: docs/design.md, "Bytes per activation element".
 LEAN_MIN_NUMEL = 1 << 18
 
 
 def local_payload(input: Tensor) -> Tensor:
     """The ``[sum (C), sum of squares (C), count]`` of one shard, as a (2C + 1,) float64 tensor.
 
-    ``count * [mean, var + mean**2, 1]`` from the native statistics kernel on a float64 copy of ``input``, exact
-    to float64 rounding; contiguous float32 (N, C, *spatial) inputs in the memory-lean regime skip the copy
-    (:func:`_copy_free_payload`).
+    From the native statistics kernel on a float64 copy of ``input``, exact to float64 rounding (contiguous float32
+    (N, C, *spatial) inputs in the memory-lean regime skip the copy: :func:`_copy_free_payload`).
 
     Args:
         input: (N, C, *) floating tensor, any memory format; N may be 0.
@@ -43,14 +39,12 @@ def local_payload(input: Tensor) -> Tensor:
 
 
 def _local_payload(input: Tensor, compiling: bool, tag: Optional[Any] = None) -> Tensor:
-    """:func:`local_payload`, ``compiling`` being the caller's :func:`is_compiling`; with ``tag`` (a
-    :class:`~syncbn_dist.comm.tags.CollectiveTag`), the payload of a tagged collective: ``[sum (C), sum of squares
-    (C), count, tag (5)]``."""
+    """:func:`local_payload` (``compiling``: the caller's :func:`is_compiling`); with ``tag`` (a
+    :class:`~syncbn_dist.comm.tags.CollectiveTag`), ``[sum (C), sum of squares (C), count, tag (5)]``."""
     num_features = input.size(1)
     count = input.numel() // num_features if num_features else 0
     if count == 0:
-        # Zeros made from the input, not a constant: under torch.compile two constant payloads of equal size would
-        # be merged into one collective (common-subexpression elimination), leaving this rank a collective short.
+        # Zeros made from the input: torch.compile would merge equal constant payloads into one collective (CSE).
         zeros = input.new_zeros(2 * num_features + (1 if tag is None else 0), dtype=COMBINE_DTYPE)
         return zeros if tag is None else torch.cat([zeros, tag.tail(input.device, 0.0)])
     if not compiling:
@@ -74,9 +68,8 @@ def _eager_payload(input: Tensor, count: int, tag: Optional[Any]) -> Tensor:
 
 
 def _lean_regime(input: Tensor) -> bool:
-    """Whether the layer takes the memory-lean path: eager CPU float32/float64 activations of at least
-    ``LEAN_MIN_NUMEL`` elements (never in a compiled graph, which must not depend on the size; why not float16 and
-    bfloat16: docs/design.md, "Bytes per activation element")."""
+    """Whether the layer takes the memory-lean path: eager CPU float32/float64 activations of ``LEAN_MIN_NUMEL``
+    elements or more (a graph must not depend on the size; docs/design.md, "Bytes per activation element")."""
     return (  # the cheapest test first: this runs on every eager call
         input.numel() >= LEAN_MIN_NUMEL
         and not input.is_cuda
@@ -86,13 +79,8 @@ def _lean_regime(input: Tensor) -> bool:
 
 
 def _copy_free_payload(input: Tensor, count: int, tag: Optional[Any] = None) -> Tensor:
-    """:func:`local_payload` of a contiguous float32 CPU (N, C, *spatial) shard without a float64 copy (with ``tag``:
-    tagged, see :func:`_local_payload`).
-
-    ``m``, ``v`` from ``batch_norm_update_stats``, ``D = sum(x - m)`` from the eval-mode backward with ones as ``dy``;
-    ``S = n m + D`` and ``sum(x**2) = n v + m (S + D)`` in float64 (derivation: docs/design.md, "Bytes per activation
-    element"; Chan et al. 1979).
-    """
+    """:func:`_local_payload` of a contiguous float32 CPU (N, C, *spatial) shard without a float64 copy (Chan et al.
+    1979; the derivation: docs/design.md, "Bytes per activation element")."""
     mean, var = torch.batch_norm_update_stats(input, None, None, 0.0)
     one = input.new_ones(())
     _, offset, _ = torch.ops.aten.native_batch_norm_backward(
@@ -131,19 +119,14 @@ def _local_reductions(
     grad_output: Tensor, input: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, eps: float,
     invstd: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    """This shard's ``sum(dy)`` and ``sum(dy * x_hat)`` per channel, each (C,) in the statistics dtype.
-
-    The native inference-mode backward's ``grad_bias`` and ``grad_weight`` with the global statistics; on CUDA,
-    ``torch.batch_norm_backward_reduce`` (``invstd``: ``rsqrt(var + eps)``, computed here if not given).
-    """
+    """This shard's ``sum(dy)`` and ``sum(dy * x_hat)``, each (C,) in the statistics dtype, from the inference-mode
+    backward (CPU) or ``batch_norm_backward_reduce`` (CUDA; ``invstd = rsqrt(var + eps)`` is computed if None)."""
     if input.numel() == 0:  # the native kernel divides by the count; an empty shard sums to zero
-        # A sum of the (empty) grad_output, not a constant, so that under torch.compile the backward collective
-        # depends on the gradient and stays in the backward graph, in order (a constant would be hoisted forward).
+        # A sum of grad_output, not a constant, which torch.compile would hoist into the forward (docs/compile.md).
         zeros = grad_output.sum(dim=[0] + list(range(2, grad_output.dim()))).to(mean.dtype)
         return zeros, zeros
     if input.is_cuda:
-        # The CUDA kernels torch.nn.SyncBatchNorm uses (the CUDA inference-mode backward wants saved statistics).
-        # With a weight the kernel's own grad_weight is sum(dy * (x - mean)) * invstd = sum(dy * x_hat).
+        # On CUDA the inference-mode backward wants saved statistics; with a weight, grad_weight is sum(dy * x_hat).
         if invstd is None:
             invstd = torch.rsqrt(var + eps)
         if _rounds_each_product(input):
@@ -183,25 +166,15 @@ def _grad_input(
 ) -> Tensor:
     """The exact global-batch ``grad_input`` of this shard (Ioffe & Szegedy 2015, arXiv:1502.03167).
 
-        grad_input = weight * invstd * (dy - sum(dy) / N - x_hat * sum(dy * x_hat) / N)
-
-    with the global count N and reductions: ``dy`` less one inference-mode batch norm of ``x``, scaled by the native
-    inference-mode backward.
-
-    Args:
-        grad_output: (N, C, *) ``dy``; input: (N, C, *); weight: (C,) or None.
-        mean, var: (C,) global statistics in the kernels' dtype (``var`` as :func:`_normalizing_var` gives it).
-        count: (1,) float64 global count; reductions: float64 global ``[sum(dy), sum(dy * x_hat)]`` (2C values,
-            and whatever follows them in the summed payload: its tag).
-        clipped: (C,) bool, channels whose variance was clipped to eps ("clip" mode), or None.
-        invstd: CUDA only, ``rsqrt(var + eps)`` (computed here if not given).
+    ``mean``, ``var`` (:func:`_normalizing_var`): the (C,) global statistics in the kernels' dtype; ``count``: the (1,)
+    float64 global count; ``reductions``: the summed float64 ``[sum(dy), sum(dy * x_hat)]``, any tag after; ``clipped``:
+    the (C,) bool channels whose variance was clipped to eps, or None; ``invstd`` (CUDA): computed if not given.
     """
     if input.numel() == 0:
         # Made from grad_output, not a constant, so that under torch.compile what follows stays in backward.
         return torch.zeros_like(grad_output)
     if input.is_cuda:
-        # torch.nn.SyncBatchNorm's CUDA kernel: it divides the sums by the total of the counts it is given (int32),
-        # and takes sum(dy * (x - mean)) = sum(dy * x_hat) / invstd.
+        # torch.nn.SyncBatchNorm's kernel: it divides by the int32 count it is given, and takes sum(dy * (x - mean)).
         sum_dy, sum_dy_xhat = _two_sums(reductions.to(mean.dtype), input.size(1))
         if clipped is not None:  # a clipped channel's invstd does not depend on x: its x_hat term vanishes
             sum_dy_xhat = sum_dy_xhat.masked_fill(clipped, 0.0)
@@ -219,7 +192,7 @@ def _grad_input(
         _, scale = invstd_and_scale(var, eps, weight)
         correction = _batch_norm_inference(input, mean_dy_xhat * -scale, mean_dy * -scale, mean, var, eps)
         return correction.addcmul_(grad_output, scale.view([1, -1] + [1] * (input.dim() - 2)))
-    # The non-empty input's inference batch norm, called directly.
+    # dy less an inference batch norm of x (called directly: x is not empty), scaled by the inference-mode backward.
     centred = grad_output - torch._native_batch_norm_legit_no_training(
         input, mean_dy_xhat, mean_dy, mean, var, 0.0, eps
     )[0]

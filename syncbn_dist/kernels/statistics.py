@@ -1,11 +1,9 @@
 """The statistics of a summed payload: the one derivation of the global mean and variances, for every path.
 
-One synchronized layer's forward sums ``[sum(x) (C), sum(x**2) (C), count]`` of every member's shard (the payload,
-float64) and forms the global mean and variances from the total: the parallel-variance combination of Chan, Golub &
-LeVeque (1979), expressed as sums of exact per-shard moments. :func:`moments_of_total` is that derivation; the native
-kernels, the compiled source (and so a user's ``torch.compile`` graph), the DataParallel Functions, the recorded
-double backward and a joined rank's running statistics all take their statistics from it, and
-:func:`invstd_and_scale` turns a variance into the per-channel factors of the normalization.
+:func:`moments_of_total` forms the global mean and variances from the members' summed float64 payloads
+``[sum(x) (C), sum(x**2) (C), count]`` (Chan, Golub & LeVeque 1979, as sums of exact per-shard moments) for both kernel
+sets, a user's ``torch.compile`` graph, the DataParallel Functions, the recorded double backward and a joined rank's
+running statistics; :func:`invstd_and_scale` turns a variance into the normalization's per-channel factors.
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ from torch import Tensor
 
 __all__ = ["COMBINE_DTYPE", "invstd_and_scale", "moments_of_total", "payload_of"]
 
-# Statistics are combined in float64: the sum of squares of data with |mean|/std = 1e4 carries 1e8 times more
-# magnitude than the variance, which float32 cannot resolve (E[x^2] - E[x]^2 cancels catastrophically).
+# Statistics are combined in float64: in float32, E[x^2] - E[x]^2 cancels (docs/design.md, "The statistics").
 COMBINE_DTYPE = torch.float64
 
 
@@ -28,8 +25,6 @@ def moments_of_total(
     """The global statistics of a summed payload, in float64.
 
     ``M2 = sum(x**2) - sum(x) * mean`` combines the members' exact sums about the global mean (Chan et al. 1979).
-    Five ops in eager mode (the split, the mean, M2, one ``_foreach_div`` for both variances and the ``count - 1``
-    it divides by).
 
     Args:
         total: float64, the payloads ``[sum (C), sum of squares (C), count]`` summed over the members, followed by

@@ -1,15 +1,9 @@
 """Whether the running code is being traced by ``torch.compile``, per thread.
 
-``torch.compiler.is_compiling()`` reads one process-wide flag that Dynamo holds for the whole of a compilation. A
-DataParallel replica thread that compiles (a user's compiled submodule, a new shape) therefore makes it True in the
-other replica threads, which are running the layer eagerly at the same time, and would send them down the
-traced-graph branches (agreement checks at trace time, in-graph assertions). :func:`is_compiling` is the flag for
-the layer's own code: False in a thread that runs a replica's eager forward (:func:`eager_replica_thread`), whose
-code ``torch.compile`` never traces, and the flag elsewhere.
-
-The other transforms that change how the layer must run are asked about here too: a forward-mode AD level or a
-``torch.func`` transform (:func:`_forward_ad_active`), functorch-wrapped tensors (``_is_functorch_wrapped``) and a
-checkpoint recomputation (:func:`is_recomputing`).
+:func:`is_compiling` is False in a replica's eager forward (:func:`eager_replica_thread`): Dynamo's flag is
+process-wide, so a replica thread that compiles would send the others down traced branches (docs/design.md, "Compiled
+kernels"). Also asked here: forward-mode AD or a ``torch.func`` transform (:func:`_forward_ad_active`),
+functorch-wrapped tensors (``_is_functorch_wrapped``), a checkpoint recomputation (:func:`is_recomputing`).
 """
 
 from __future__ import annotations
@@ -36,11 +30,8 @@ def is_recomputing() -> bool:
 def is_compiling() -> bool:
     """``torch.compiler.is_compiling()``, except in a DataParallel replica thread's eager forward (always False).
 
-    Dynamo reads ``torch.compiler.is_compiling()`` as True while it traces, and :func:`_in_eager_replica` once
-    (``assume_constant_result``: the tracing thread is never inside a replica's eager forward) instead of tracing
-    the thread-local read. The whole function is not ``assume_constant_result``: torch 2.11 evaluates such a
-    function outside the trace, where ``torch.compiler.is_compiling()`` is False, so every traced branch would take
-    the eager path (host reads, graph breaks).
+    Only :func:`_in_eager_replica` is ``assume_constant_result`` (a tracing thread is never in a replica's eager
+    forward): torch 2.11 runs such a function outside the trace, where ``is_compiling()`` is False (docs/compat.md).
     """
     return torch.compiler.is_compiling() and not _in_eager_replica()
 
