@@ -28,7 +28,7 @@ from ..comm.join_session import JoinBinding, JoinTransport
 from ..comm.tags import FORWARD, FORWARD_WITHOUT_BACKWARD, NO_TAG, CollectiveTag, layer_tags, traced_tags
 from ..compiler_marks import never_traced
 from ..kernels.tracing import eager_replica_thread, is_compiling, is_recomputing
-from .functions import Transport, _sync_batch_norm
+from .functions import Transport, sync_batch_norm
 from .replay import RecordingTransport, ReplayTransport
 
 __all__ = [
@@ -388,7 +388,7 @@ class SyncBatchNorm(_BatchNorm):
         if owns_buffers and binding is not None and binding.active and transport is not _SOLO:
             # Set at every call: the joined ranks update their buffers from this call's total only if this one does.
             binding.transport.expect_tracked_forward(track)
-        return _sync_batch_norm(
+        return sync_batch_norm(
             input,
             weight,
             bias,
@@ -398,8 +398,8 @@ class SyncBatchNorm(_BatchNorm):
             self.eps,
             transport,
             self._eps_mode(),
-            compiling,
             tags,
+            compiling,
         )
 
     def _tags_of_call(

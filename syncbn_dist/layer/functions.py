@@ -218,6 +218,7 @@ def sync_batch_norm(
     transport: Transport,
     eps_mode: str = "plus",
     tags: Optional[tuple[Any, Any]] = None,
+    compiling: Optional[bool] = None,
 ) -> Tensor:
     """Batch norm in training mode with statistics summed over every member of ``transport``.
 
@@ -238,6 +239,7 @@ def sync_batch_norm(
         tags: the :class:`~syncbn_dist.comm.tags.CollectiveTag` of the forward and backward collectives, which every
             member must send alike (a layer's: :func:`syncbn_dist.comm.tags.layer_tags`); None: those of a
             functional call, the same for every call.
+        compiling: whether ``torch.compile`` traces this call (None: asked here; the layer asks once per forward).
 
     Returns:
         Tensor of the input's shape, dtype and memory format.
@@ -248,25 +250,8 @@ def sync_batch_norm(
     """
     if tags is None:
         tags = layer_tags("sync_batch_norm", "sync_batch_norm")
-    return _sync_batch_norm(
-        input, weight, bias, running_mean, running_var, momentum, eps, transport, eps_mode, is_compiling(), tags
-    )
-
-
-def _sync_batch_norm(
-    input: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    momentum: Union[float, Tensor],
-    eps: float,
-    transport: Transport,
-    eps_mode: str,
-    compiling: bool,
-    tags: tuple[Any, Any],
-) -> Tensor:
-    """:func:`sync_batch_norm`, ``compiling`` being the caller's :func:`is_compiling` (the layer asks once)."""
+    if compiling is None:
+        compiling = is_compiling()
     if getattr(transport, "differentiable_exchange", True):
         args = (input, weight, bias, eps, eps_mode, transport, tags)
         output, mean, unbiased_var = _sync_batch_norm_differentiable(*args)
