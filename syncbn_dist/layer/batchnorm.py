@@ -76,9 +76,10 @@ class SyncBatchNorm(_BatchNorm):
     where the mean and biased variance are taken per channel over the concatenation of the batches of
     every member of the synchronization group, so the result equals ``nn.BatchNorm`` on that global batch:
     outputs, input gradients and running statistics (``running_var`` gets the unbiased global variance).
-    Each member sends one float64 payload ``[count, sum(C), sumsq(C)]`` in forward and ``[sum(dy),
-    sum(dy * x_hat)]`` in backward, so uneven and empty shards are exact. ``weight`` and ``bias`` receive
-    the local gradient sums, which DistributedDataParallel averages, as with ``torch.nn.SyncBatchNorm``.
+    Each member sends one float64 payload ``[sum(C), sumsq(C), count]`` in forward and ``[sum(dy), sum(dy *
+    x_hat)]`` in backward, each ending in the collective's tag, so uneven and empty shards are exact and members at
+    different layers raise. ``weight`` and ``bias`` receive the local gradient sums, which DistributedDataParallel
+    averages, as with ``torch.nn.SyncBatchNorm``.
 
     Args:
         num_features: :math:`C` from an expected input of size :math:`(N, C, *)`.
@@ -507,19 +508,13 @@ def patch_sync_batchnorm() -> Iterator[None]:
         with syncbn_dist.patch_sync_batchnorm():
             model = build_model()   # every nn.BatchNorm2d(...) it makes is a SynchronizedBatchNorm2d
 
-    It replaces the three attributes of ``torch.nn`` (so ``nn.BatchNorm2d(...)`` and
-    ``torch.nn.BatchNorm2d(...)`` are affected; a name imported before the block, e.g.
-    ``from torch.nn import BatchNorm2d``, is not) and restores the originals on exit, also when the block
-    raises. Blocks nest. The patch is process-wide: other threads constructing BatchNorm layers during the block
-    get the synchronized classes too. The synchronized classes take ``nn.BatchNorm``'s arguments
-    (``num_features, eps, momentum, affine, track_running_stats`` positionally, ``device`` and ``dtype`` by
-    keyword). :func:`~syncbn_dist.convert_model` after construction does the same without a patch.
+    It replaces the three attributes of ``torch.nn`` process-wide (other threads constructing layers in the block
+    are affected too; a name imported before it, e.g. ``from torch.nn import BatchNorm2d``, is not) and restores them
+    on exit, also when the block raises. Blocks nest. The synchronized classes take ``nn.BatchNorm``'s arguments.
 
-    Subclasses defined before the block are not reached: a class statement binds its base when it runs, so a
-    ``class BatchNormAct2d(nn.BatchNorm2d)`` imported earlier still builds an unsynchronized ``nn.BatchNorm2d``
-    inside the block. The common case is timm's norm+act layers (``timm.layers.BatchNormAct2d``, in EfficientNet,
-    MobileNetV3, DenseNet, RegNet, ...): call :func:`~syncbn_dist.convert_model` on the built model instead, which
-    converts them keeping their activation (and refuses subclasses it does not know).
+    Subclasses defined before the block are not reached (a class statement binds its base when it runs): timm's
+    norm+act layers (``timm.layers.BatchNormAct2d``, in EfficientNet, MobileNetV3, RegNet, ...) stay unsynchronized.
+    Call :func:`~syncbn_dist.convert_model` on the built model instead, which converts them keeping their activation.
 
     Yields:
         None.
