@@ -253,8 +253,9 @@ def sync_batch_norm(
     if compiling is None:
         compiling = is_compiling()
     if getattr(transport, "differentiable_exchange", True):
-        args = (input, weight, bias, eps, eps_mode, transport, tags)
-        output, mean, unbiased_var = _sync_batch_norm_differentiable(*args)
+        output, mean, unbiased_var = _sync_batch_norm_differentiable(
+            input, weight, bias, eps, eps_mode, transport, tags
+        )
     else:
         args = (input, weight, bias, eps, eps_mode, transport, _kernel_choice(input, transport, compiling), tags)
         if compiling:
