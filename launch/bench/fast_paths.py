@@ -51,6 +51,12 @@ FAST_PATHS = {
         "_SyncBatchNormFunction.apply(*args)",
         "native",
     ),
+    "transport_cache": (
+        "layer/batchnorm.py",
+        "else cached_distributed_transport(",
+        "else distributed_transport(",
+        "native",
+    ),
 }
 _CHECK_EVERY = 20  # rounds between the ranks' joint decision to go on
 
