@@ -62,6 +62,7 @@ class FutureResult:
         self._cond = threading.Condition(threading.Lock())
 
     def put(self, result: Any) -> None:
+        """Fill the slot with ``result`` (any object) and wake the waiter."""
         with self._cond:
             self._result = result
             self._ready = True
@@ -74,11 +75,23 @@ class FutureResult:
             self._cond.notify_all()
 
     def put_error(self, error: BaseException, copy_id: Optional[int] = None, where: str = "") -> None:
-        """Make the waiter raise :class:`ReplicaSyncError` from ``error``, naming replica ``copy_id`` and ``where``."""
+        """Make the waiter raise :class:`ReplicaSyncError` from ``error``.
+
+        Args:
+            error: the root cause.
+            copy_id: the replica that failed; None if unknown.
+            where: the layer it failed in, for the message.
+        """
         self.put(_Failure(error, copy_id, where))
 
     def get(self, timeout: Optional[float] = None) -> Any:
         """Wait for the result and take it, emptying the slot.
+
+        Args:
+            timeout: seconds to wait until the result or :meth:`mark_collected` comes; None waits forever.
+
+        Returns:
+            What :meth:`put` stored.
 
         Raises:
             ReplicaSyncError: if an error was put, or no result nor :meth:`mark_collected` came in ``timeout`` s.
@@ -104,6 +117,12 @@ class SlavePipe(NamedTuple):
 
     def run_slave(self, msg: Any) -> Any:
         """Send ``msg`` to the master and return its answer for this replica.
+
+        Args:
+            msg: this replica's message for the master's callback (:class:`DataParallelTransport`: its tensors).
+
+        Returns:
+            This replica's entry of the callback's result.
 
         Raises:
             ReplicaSyncError: if the master fails or does not answer within ``timeout`` seconds.
@@ -157,8 +176,14 @@ class SyncMaster:
         return len(self._registry)
 
     def register_slave(self, identifier: int) -> SlavePipe:
-        """Register the replica ``copy_id == identifier`` and return its pipe; the first registration after the
-        master has run starts a new round, so one SyncMaster serves every forward.
+        """Register a slave replica and return its pipe; the first registration after the master has run starts a
+        new round, so one SyncMaster serves every forward.
+
+        Args:
+            identifier: the replica's ``copy_id`` (1, 2, ...).
+
+        Returns:
+            The replica's :class:`SlavePipe`.
 
         Raises:
             ValueError: if ``identifier`` < 1 (0 is the master) or is already registered in this round.
@@ -178,6 +203,12 @@ class SyncMaster:
 
     def run_master(self, master_msg: Any) -> Any:
         """Collect every slave's message, reduce with the callback, answer the slaves, return the master's.
+
+        Args:
+            master_msg: the master replica's own message (copy_id 0).
+
+        Returns:
+            The master's entry of the callback's result.
 
         Raises:
             ReplicaSyncError: if a slave does not arrive within ``timeout`` seconds or the run was aborted.
