@@ -6,8 +6,10 @@ Other modules read the switches here, never the environment. The variables keep 
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any, Optional
+import warnings
+from typing import Any
 
 __all__ = [
     "DEFAULT_REPLICA_TIMEOUT",
@@ -26,47 +28,66 @@ __all__ = [
 
 KERNEL_MODES = ("auto", "compiled", "native")
 KERNELS_ENV = "SYNCBN_DIST_KERNELS"
-# Native: nothing compiles on a job's critical path (docs/compile.md, "The default kernels").
-DEFAULT_KERNELS = "native"
-
-_mode: Optional[str] = None
+# The modes of the eager compiled kernels, retired in 0.2.0: they run the native kernels, with a DeprecationWarning.
+_RETIRED_MODES = ("auto", "compiled")
+_RETIRED_IN, _REMOVED_IN = "0.2.0", "0.3.0"
 
 
 def set_kernels(mode: str) -> None:
     """Choose the kernels of every synchronized layer's eager training forward and backward, process-wide.
 
-    ``"native"`` (the default) runs torch's batch-norm ops and compiles nothing; ``"compiled"`` runs
-    :mod:`syncbn_dist.kernels.compiled` through ``torch.compile`` (inductor), compiled at first use on the caller's
-    critical path; ``"auto"`` compiles for CPU tensors where inductor finds a C++ compiler (else native, with one
-    warning naming why), native on CUDA. On CPU, compiled makes a long job's steps faster, native a short job
-    (docs/compile.md, "The default kernels"). Overrides ``SYNCBN_DIST_KERNELS``. ``backward(create_graph=True)`` runs
-    native whatever the mode; other such cases, and what ``torch.compile`` traces: docs/api/switches.md, "Kernels".
+    There is one eager kernel set, the native one (torch's batch-norm ops; nothing compiles). ``"compiled"`` and
+    ``"auto"``, which chose inductor-compiled kernels until 0.1.0, are accepted until 0.3.0: they warn once and run
+    the native kernels. A user's ``torch.compile`` traces the layer into its own graph whatever the mode
+    (docs/compile.md).
 
     Args:
-        mode: ``"auto"``, ``"compiled"`` or ``"native"``.
+        mode: ``"native"``; ``"compiled"`` or ``"auto"``, deprecated.
 
     Raises:
         ValueError: for any other mode.
+
+    Warns:
+        DeprecationWarning: for ``"compiled"`` or ``"auto"``, once per mode and process.
     """
-    global _mode
-    _mode = _checked_mode(mode, "set_kernels")
+    _checked_mode(mode, "set_kernels")
 
 
 def get_kernels() -> str:
-    """The mode in force: the last :func:`set_kernels`, else ``SYNCBN_DIST_KERNELS``, else ``"native"``.
+    """The kernel set of every synchronized layer's eager training calls: ``"native"``, the only one.
+
+    Reads ``SYNCBN_DIST_KERNELS`` (``"native"``; ``"compiled"`` and ``"auto"`` deprecated, as for
+    :func:`set_kernels`).
 
     Raises:
         ValueError: if ``SYNCBN_DIST_KERNELS`` holds an unknown mode.
+
+    Warns:
+        DeprecationWarning: if ``SYNCBN_DIST_KERNELS`` holds ``"compiled"`` or ``"auto"``, once per mode and process.
     """
-    if _mode is not None:
-        return _mode
-    return _checked_mode(os.environ.get(KERNELS_ENV, DEFAULT_KERNELS), KERNELS_ENV)
+    _checked_mode(os.environ.get(KERNELS_ENV, "native"), KERNELS_ENV)
+    return "native"
 
 
-def _checked_mode(mode: Any, source: str) -> str:
+def _checked_mode(mode: Any, source: str) -> None:
     if mode not in KERNEL_MODES:
         raise ValueError(f"{source}: expected one of {', '.join(map(repr, KERNEL_MODES))}, got {mode!r}")
-    return mode
+    if mode in _RETIRED_MODES:
+        _warn_retired(mode, source)
+
+
+@functools.cache
+def _warn_retired(mode: str, source: str) -> None:
+    warnings.warn(
+        f"{source}: the {mode!r} kernels were retired in syncbn_dist {_RETIRED_IN}; the native kernels run instead, "
+        f"and {mode!r} is refused from {_REMOVED_IN} (a user's torch.compile still fuses the layer into its graph)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+
+# Checked once at import, since no call reads it any more: a retired mode warns, an unknown one raises.
+if KERNELS_ENV in os.environ:
+    get_kernels()
 
 
 # eps mode

@@ -1,15 +1,13 @@
 """Every change syncbn_dist makes to torch's own classes, in one place: what is changed now, and the undo of each.
 
-Changes go only through :func:`replace` (until :func:`restore`) or :func:`temporarily` (for a block), so :func:`changed`
-always says what differs from torch. None at import: on request (:func:`syncbn_dist.patch_torch_sync_batchnorm`), at
-the first synchronized layer (:func:`on_first_use`), or for one call; each, and what it buys: docs/design.md, "Private
-torch APIs and changes to torch's classes". Imports nothing of syncbn_dist, so that every part of it can use it.
+Changes go only through :func:`replace` (until :func:`restore`), so :func:`changed` always says what differs from
+torch. None at import: on request (:func:`syncbn_dist.patch_torch_sync_batchnorm`) or at the first synchronized layer
+(:func:`on_first_use`); each, and what it buys: docs/design.md, "Private torch APIs and changes to torch's
+classes". Imports nothing of syncbn_dist, so that every part of it can use it.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any, Callable
 
 __all__ = [
@@ -20,7 +18,6 @@ __all__ = [
     "replace",
     "restore",
     "restore_all",
-    "temporarily",
 ]
 
 _MISSING = object()
@@ -63,20 +60,6 @@ def is_replaced(owner: type, name: str) -> bool:
 def changed() -> list[str]:
     """What differs from torch now: ``"module.Class.attribute"`` for each attribute :func:`replace` changed."""
     return sorted(f"{owner.__module__}.{owner.__qualname__}.{name}" for owner, name in _ORIGINALS)
-
-
-@contextlib.contextmanager
-def temporarily(owner: type, name: str, value: Any) -> Iterator[None]:
-    """``owner.name`` is ``value`` inside the block and torch's own again after it, also when the block raises."""
-    original = owner.__dict__.get(name, _MISSING)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        if original is _MISSING:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, original)
 
 
 def on_first_use(change: Callable[[], None]) -> None:

@@ -13,13 +13,6 @@ import torch
 
 from launch.common.spawn import pooled_job_cpu_s, pooled_worlds
 from launch.common.worlds import cpu_seconds
-from syncbn_dist.settings import KERNELS_ENV
-
-# The suite runs the native kernels unless a test asks for the compiled ones (the ``kernel_mode`` fixture): every
-# process that compiles pays inductor's start-up, seconds on two cores, and every gloo rank is a process. Set in the
-# environment, so that the ranks tests spawn inherit it; ``SYNCBN_DIST_KERNELS=compiled make test`` runs it all
-# compiled.
-os.environ.setdefault(KERNELS_ENV, "native")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -169,16 +162,9 @@ def _pooled_worlds(pytestconfig: pytest.Config) -> Iterator[None]:
         pytestconfig.pluginmanager.get_plugin(_SUITE_COST).worlds.append(stats)
 
 
-# World sizes 2 and 3 on the native kernels and 2 on the compiled ones, for the costliest gloo suites: world size 2
-# already has uneven and empty shards, and the kernels do not change with the number of ranks.
-WORLD_SIZES_AND_KERNELS = [(2, "native"), (3, "native"), (2, "compiled")]
-
-
-@pytest.fixture(params=["native", "compiled"])
-def kernel_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs the test once per kernel set (syncbn_dist.set_kernels), in this process and the ranks it spawns."""
-    monkeypatch.setenv(KERNELS_ENV, request.param)
-    return request.param
+# World sizes 2 and 3 for the costliest gloo suites: world size 2 already has uneven and empty shards, 3 a rank that
+# is neither first nor last.
+WORLD_SIZES = [2, 3]
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import WORLD_SIZES_AND_KERNELS
+from conftest import WORLD_SIZES
 from resnet import resnet
 from torch import Tensor, nn
 
@@ -141,10 +141,8 @@ def _worker(rank: int, world_size: int) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size, kernel_mode", WORLD_SIZES_AND_KERNELS, indirect=["kernel_mode"])
-def test_resnet_under_ddp_fsdp2_and_processes_times_replicas_equals_float64_batchnorm(
-    world_size: int, kernel_mode: str
-) -> None:
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_resnet_under_ddp_fsdp2_and_processes_times_replicas_equals_float64_batchnorm(world_size: int) -> None:
     run_distributed(_worker, world_size, timeout=240)
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from closeness import assert_close
-from conftest import WORLD_SIZES_AND_KERNELS
+from conftest import WORLD_SIZES
 from torch import Tensor, nn
 
 from launch.common.spawn import run_distributed
@@ -555,22 +555,12 @@ def _worker_all_sections(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
-# The compiled kernels' case compiles a graph per direction for every dtype, layout and eps mode of the sections.
-_GLOO_CASES = [
-    pytest.param(*case, marks=pytest.mark.over_budget("compiles the kernels of every case from an empty cache"))
-    if case[1] == "compiled" else case
-    for case in WORLD_SIZES_AND_KERNELS
-]
-
-
-@pytest.mark.parametrize("world_size, kernel_mode", _GLOO_CASES, indirect=["kernel_mode"])
-def test_sync_batchnorm_over_gloo(world_size: int, kernel_mode: str) -> None:
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_sync_batchnorm_over_gloo(world_size: int) -> None:
     """Global-batch equality, eval without communication, errors on every rank, DDP training parity.
 
     A failing section names itself (and the case) in the worker's traceback; a section that hangs is ended
-    by the collective timeout. Over 30 s with the compiled kernels from an empty inductor cache (30-32 s in a fresh
-    clone on 2 cores, 15 s warm): each rank compiles a forward and a backward graph for each dtype, layout and eps
-    mode the sections use, which is what that case checks.
+    by the collective timeout.
     """
     results = run_distributed(_worker_all_sections, world_size, timeout=300, collective_timeout=30)
     steps = sum(len(case.splits) for case in _global_batch_cases(world_size))

@@ -4,8 +4,7 @@ per-call statistics, the kernels, the transports, the settings) and never back u
 torch's ``nn/modules/batchnorm.py`` calls ``nn/functional.py`` and never the reverse.
 
 The calls are recorded with :func:`sys.setprofile` (and :func:`threading.setprofile` for the DataParallel replica
-threads) over real steps, the first (which compiles, with the compiled kernels) and a second one: DataParallel
-replicas in threads (which run the native kernels in every mode) and a 2-rank gloo group on both kernel sets. A new
+threads) over real steps, the first and a second one: DataParallel replicas in threads and a 2-rank gloo group. A new
 call into a file above its caller fails here with the call named; if it is deliberate, the order below is what to
 change, with docs/design.md's map.
 """
@@ -37,9 +36,7 @@ CALL_ORDER = (
     "layer/exchange_functions.py",  # the DataParallel replicas' Functions
     "layer/replay.py",  # checkpoint replay for replicas
     "layer/statistics.py",  # the global statistics of a call, the running statistics
-    "kernels/compiled.py",
-    "kernels/compiled_kernel.py",
-    "kernels/direct_call.py",
+    "kernels/compiled.py",  # the source a user's torch.compile traces
     "kernels/native.py",
     "kernels/statistics.py",  # the one derivation of the statistics from a summed payload
     "kernels/tracing.py",
@@ -119,8 +116,7 @@ def test_data_parallel_replicas_call_top_down(one_intra_op_thread: None) -> None
     assert upward(calls) == []
 
 
-def _process_group_worker(rank: int, world_size: int, kernels: str) -> tuple[bool, list[str]]:
-    syncbn_dist.set_kernels(kernels)
+def _process_group_worker(rank: int, world_size: int) -> tuple[bool, list[str]]:
     model = DistributedDataParallel(syncbn_dist.convert_model(_net()))
     calls = _steps(model, torch.randn(4, 3, 8, 8) + rank)
     dist.barrier()
@@ -128,8 +124,7 @@ def _process_group_worker(rank: int, world_size: int, kernels: str) -> tuple[boo
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kernels", ["native", "compiled"])
-def test_a_process_group_calls_top_down(kernels: str) -> None:
-    for ran, calls_up in run_distributed(_process_group_worker, 2, kernels):
+def test_a_process_group_calls_top_down() -> None:
+    for ran, calls_up in run_distributed(_process_group_worker, 2):
         assert ran
         assert calls_up == []

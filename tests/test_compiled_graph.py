@@ -172,7 +172,7 @@ def test_user_graph_has_no_batch_norm_op_keeps_collectives_in_step_and_runs_no_p
 def test_regions_traced_for_cuda_inputs_hold_no_batch_norm_op_and_the_cpu_graph(
     dtype: torch.dtype, channels_last: bool
 ) -> None:
-    """C2 for CUDA: the regions a user's graph traces (``staged=False``), traced for fake CUDA tensors on this
+    """C2 for CUDA: the regions a user's graph traces, traced for fake CUDA tensors on this
     CPU-only build, hold no batch-norm op and exactly the ops they hold for CPU tensors (no device branch).
 
     The whole layer cannot be traced for fake CUDA tensors here: autograd's C++ Function node takes a CUDA device
@@ -192,9 +192,9 @@ def test_regions_traced_for_cuda_inputs_hold_no_batch_norm_op_and_the_cpu_graph(
             x, dy = (torch.empty_strided(shape, stride, dtype=dtype, device=device) for _ in range(2))
             weight, bias = torch.ones(C, device=device), torch.zeros(C, device=device)
             forward = torch.compile(kernels.forward_region, backend=backend, fullgraph=True)
-            _, mean, _, var, count, *_ = forward(x, weight, bias, _EPS, False, "0", staged=False)
+            _, mean, _, var, count = forward(x, weight, bias, _EPS, False, "0")
             backward = torch.compile(kernels.backward_region, backend=backend, fullgraph=True)
-            backward(dy, x, weight, mean, var, count, None, _EPS, False, "0", True, staged=False)
+            backward(dy, x, weight, mean, var, count, _EPS, False, "0", True)
         return [_node_targets(g) for g in graphs]
 
     cuda, cpu = trace("cuda"), trace("cpu")

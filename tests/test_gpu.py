@@ -8,8 +8,8 @@ collective for one member), so the payload really goes through ``all_reduce`` on
 CUDA graphs (converted layers forced onto that group with launch.bench.resnet50_step's ``force_sync``):
 ``torch.compile(mode="reduce-overhead")`` of a converted ResNet against plain BatchNorm, and a ``torch.cuda.graph``
 capture of a whole DDP training step replayed against the same step run eagerly. Across ranks on one GPU: two gloo
-processes with CUDA tensors on GPU 0 (NCCL refuses two ranks on one device) run DDP with uneven and empty shards on
-both kernel sets, through convert_model, patch_sync_batchnorm and torch's patched nn.SyncBatchNorm, against float64
+processes with CUDA tensors on GPU 0 (NCCL refuses two ranks on one device) run DDP with uneven and empty shards,
+eagerly and compiled, through convert_model, patch_sync_batchnorm and torch's patched nn.SyncBatchNorm, against float64
 BatchNorm on the concatenated batch.
 
 The README's quick start, as pasted, with one process per GPU (tests/readme_blocks.py).
@@ -38,12 +38,10 @@ from resnet import resnet
 from torch.nn.parallel import DistributedDataParallel
 
 import syncbn_dist
-from launch.bench.micro import compiled_bytes_per_element
 from launch.bench.resnet50_step import force_sync
 from launch.common.spawn import run_distributed
 from syncbn_dist import SyncBatchNorm
 from syncbn_dist.comm import DistributedTransport
-from syncbn_dist.kernels import compiled as kernels
 from syncbn_dist.layer.functions import sync_batch_norm
 
 pytestmark = [
@@ -72,10 +70,9 @@ def nccl_world_of_one() -> Iterator[None]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape, channels_last", [((8, 16, 7, 5), False), ((8, 16, 7, 5), True), ((64, 32), False)])
 def test_cuda_sync_path_over_nccl_matches_float64_batchnorm(
-    nccl_world_of_one: None, kernel_mode: str, shape: tuple[int, ...], channels_last: bool, dtype: torch.dtype
+    nccl_world_of_one: None, shape: tuple[int, ...], channels_last: bool, dtype: torch.dtype
 ) -> None:
-    """Both kernel sets (native CUDA ops; the compiled ones as Triton kernels, NCCL's functional all_reduce inside
-    their regions) on every layout."""
+    """The native CUDA kernels on every layout and dtype."""
     gen = torch.Generator().manual_seed(0)
     channels = shape[1]
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
@@ -121,23 +118,11 @@ def test_cuda_sync_path_over_nccl_matches_float64_batchnorm(
         torch.testing.assert_close(got.double().cpu(), expected, **tol, msg=lambda m, w=what: f"{w}: {m}")
 
 
-def test_auto_keeps_cuda_layers_on_the_native_kernels(
-    nccl_world_of_one: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The default mode compiles nothing for CUDA tensors: the native kernels measured faster there."""
-    monkeypatch.setenv(kernels.KERNELS_ENV, "auto")
-    before = [kernel.graphs() for kernel in kernels.COMPILED_KERNELS]
-    x = torch.randn(8, 5, 3, 3, device="cuda", requires_grad=True)
-    sync_batch_norm(x, None, None, None, None, MOMENTUM, EPS, DistributedTransport(None)).sum().backward()
-    assert [kernel.graphs() for kernel in kernels.COMPILED_KERNELS] == before
-    assert not kernels.use_compiled(x)
-
-
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_cuda_sync_path_is_exact_at_a_large_mean(
-    nccl_world_of_one: None, kernel_mode: str, channels_last: bool
+    nccl_world_of_one: None, channels_last: bool
 ) -> None:
-    """|mean| / std = 1e4 on CUDA: the statistics are float64 over the float32 values on both kernel sets, so the
+    """|mean| / std = 1e4 on CUDA: the statistics are float64 over the float32 values, so the
     variance is right to 1e-6 relative, where E[x^2] - E[x]^2 in float32 would lose it entirely."""
     gen = torch.Generator().manual_seed(2)
     shape = (16, 8, 9, 7)
@@ -161,19 +146,6 @@ def test_cuda_sync_path_is_exact_at_a_large_mean(
     assert_close(x.grad.cpu(), x_ref.grad, "grad_input", rtol=0.0, atol=5 * reach)
     assert_close(running_var.cpu(), rv_ref, "running_var", rtol=1e-6, atol=0.0)
     assert_close(running_mean.cpu(), rm_ref, "running_mean", rtol=1e-6, atol=0.0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_triton_kernels_access_each_activation_element_8_times(dtype: torch.dtype) -> None:
-    """K3 on CUDA: inductor's count of the bytes the compiled forward + backward Triton kernels access, per element.
-    The kernels pass over the activation 8 times, as torch.nn.SyncBatchNorm's CUDA kernels do (x; x, y; dy, x; dy,
-    x, dx: read from their Triton code on an H200). Before the shift x[0, :, 0] became a graph output, inductor's
-    estimate counted 9, taking a kernel's load of the shift for another read of x (not yet run on a GPU since). The
-    per-channel terms are under 1% at this shape."""
-    x = torch.randn(16, 32, 32, 32, generator=torch.Generator().manual_seed(0)).to("cuda", dtype)
-    accessed = compiled_bytes_per_element(x)
-    assert accessed.activation == 8 * x.element_size(), accessed
-    assert accessed.activation < accessed.total <= 1.01 * accessed.activation, accessed
 
 
 def test_converted_module_on_cuda_matches_float64_batchnorm(nccl_world_of_one: None) -> None:
@@ -315,10 +287,10 @@ def test_users_compiled_model_on_cuda_equals_its_eager_path_and_plain_batchnorm(
 
 
 def test_cuda_graph_capture_of_a_ddp_step_replays_the_eager_step(
-    nccl_world_of_one: None, kernel_mode: str, monkeypatch: pytest.MonkeyPatch
+    nccl_world_of_one: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A torch.cuda.graph capture of a whole DDP training step (forward, loss, backward with DDP's gradient
-    all_reduce, SGD step) of a converted ResNet with its layers forced onto the NCCL group, on both kernel sets:
+    all_reduce, SGD step) of a converted ResNet with its layers forced onto the NCCL group:
     each replay on a new batch gives what the same step run eagerly gives (loss, then weights, running statistics
     and num_batches_tracked). torch's recipe for DDP (docs, "CUDA Graphs", "Usage with DistributedDataParallel"):
     DDP constructed on a side stream, 11 eager warm-up iterations on it before the capture."""
@@ -367,7 +339,7 @@ def test_cuda_graph_capture_of_a_ddp_step_replays_the_eager_step(
 
 # ------------------------------------------------------------------------------------------------------------
 # Across ranks on one GPU: NCCL refuses two ranks on one device, gloo reduces CUDA tensors. Two ranks, CUDA tensors on
-# GPU 0, DDP, uneven and empty shards, both kernel sets, syncbn_dist's layers and torch's patched class.
+# GPU 0, DDP, uneven and empty shards, syncbn_dist's layers and torch's patched class.
 # ------------------------------------------------------------------------------------------------------------
 
 # splits[step][rank]: the rows of the global batch each rank holds at that step, uneven and empty ones included.
@@ -464,32 +436,26 @@ def _worker_gloo_cuda(rank: int, world_size: int) -> dict[str, int]:
     torch.backends.cudnn.allow_tf32 = False  # float32 convolutions and matmuls, compared with float64
     torch.backends.cuda.matmul.allow_tf32 = False
     done = {}
-    for mode in ("native", "compiled"):
-        syncbn_dist.set_kernels(mode)
-        for how in ("convert_model", "patch_sync_batchnorm"):
-            done[f"{mode}/{how}"] = _check_gloo_cuda_ddp(rank, world_size, how)
-        with syncbn_dist.patch_torch_sync_batchnorm():  # DDP too is built under the patch
-            how = "patch_torch_sync_batchnorm"
-            done[f"{mode}/{how}"] = _check_gloo_cuda_ddp(rank, world_size, how)
-    syncbn_dist.set_kernels("native")
+    for how in ("convert_model", "patch_sync_batchnorm"):
+        done[how] = _check_gloo_cuda_ddp(rank, world_size, how)
+    with syncbn_dist.patch_torch_sync_batchnorm():  # DDP too is built under the patch
+        how = "patch_torch_sync_batchnorm"
+        done[how] = _check_gloo_cuda_ddp(rank, world_size, how)
     done["compiled DDP"] = _check_gloo_cuda_compiled_ddp(rank, world_size)
     return done
 
 
 @pytest.mark.distributed
 def test_two_ranks_over_gloo_with_cuda_tensors_match_float64_batchnorm() -> None:
-    """Two processes on GPU 0 over gloo: DDP with uneven and empty shards on both kernel sets (an empty shard takes the
-    native ops, its peer the compiled kernels: members may differ in mode), through convert_model, the
+    """Two processes on GPU 0 over gloo: DDP with uneven and empty shards, through convert_model, the
     patch_sync_batchnorm block and torch's patched nn.SyncBatchNorm, each equal to float64 BatchNorm on the
-    concatenated batch. The compiled kernels compile to Triton in each rank (tens of seconds)."""
+    concatenated batch, then a user's compiled DDP model (Triton kernels, tens of seconds)."""
     # Fresh ranks: CUDA state (contexts, compiled Triton kernels) stays out of the pooled CPU worlds.
     results = run_distributed(
         _worker_gloo_cuda, 2, timeout=420, collective_timeout=180, backend="gloo", fresh=True
     )
     expected = {
-        f"{mode}/{how}": len(GLOO_CUDA_SPLITS)
-        for mode in ("native", "compiled")
-        for how in ("convert_model", "patch_sync_batchnorm", "patch_torch_sync_batchnorm")
+        how: len(GLOO_CUDA_SPLITS) for how in ("convert_model", "patch_sync_batchnorm", "patch_torch_sync_batchnorm")
     }
     expected["compiled DDP"] = sum(0 not in split for split in GLOO_CUDA_SPLITS)
     assert results == [expected, expected]

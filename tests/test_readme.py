@@ -83,7 +83,7 @@ def test_readme_fragments_parse_and_every_syncbn_dist_name_they_use_exists() -> 
     used = set()
     for block in fragments:
         used |= fragment_names(block)  # parses it
-    assert {"syncbn_dist:convert_model", "syncbn_dist:set_kernels"} <= used
+    assert {"syncbn_dist:convert_model", "syncbn_dist:patch_sync_batchnorm"} <= used
     for name in sorted(used):
         module, attribute = name.split(":")
         assert hasattr(importlib.import_module(module), attribute), f"the README uses {name}, which does not exist"
@@ -112,8 +112,7 @@ def test_the_block_checks_fail_on_what_they_must_catch(tmp_path: Path) -> None:
 def test_readme_runs_as_pasted(tmp_path: Path) -> None:
     """Every runnable block, in order, in a directory outside the tree, with this venv's python and torchrun: the
     quick start on 2 CPU processes (gloo), the Join recipe on 2 (a different number of batches each), then
-    DataParallel on CPU thread replicas. The suite's environment sets
-    SYNCBN_DIST_KERNELS=native (tests/conftest.py), the default kernels the quick start relies on."""
+    DataParallel on CPU thread replicas."""
     ran = run_blocks(readme_blocks(), tmp_path, Path(sys.executable).parent)
     assert [block.language for block, _ in ran] == ["bash", "bash", "python"]
     assert "torchrun" in ran[0][0].text and "2 processes, BatchNorm: distributed" in ran[0][1]

@@ -1,8 +1,8 @@
 """Tests of launch/common/worlds.py: the long-lived gloo ranks that run the suite's multi-process jobs.
 
-A pooled job must see what a fresh process would: the state a job leaves in its ranks (syncbn_dist's switches, patch
-and compiled kernels, torch's modes and configs, hooks, warnings filters, environment, working directory) is gone
-for the next job, which is compared with the same job run in new processes, and a kernel compiled by one job is an
+A pooled job must see what a fresh process would: the state a job leaves in its ranks (syncbn_dist's switches and
+patch, a compiled model, torch's modes and configs, hooks, warnings filters, environment, working directory) is gone
+for the next job, which is compared with the same job run in new processes, and a graph compiled by one job is an
 inductor cache hit for the next. A job that fails, hangs or leaves what cannot be put back retires its ranks, and no
 rank outlives its pool. Each test runs its own pool (``pooled_worlds`` nests: the suite's pool is back after the
 block).
@@ -27,7 +27,6 @@ import syncbn_dist
 from launch.common import spawn
 from launch.common.spawn import pooled_worlds, run_distributed
 from syncbn_dist.comm import agreement
-from syncbn_dist.kernels import compiled as kernels
 from syncbn_dist.settings import KERNELS_ENV
 
 # Left out of make test-quick (docs/testing.md, "The quick tier"): the suite's own pooled gloo ranks.
@@ -37,19 +36,19 @@ PROBE_ENV = "SYNCBN_DIST_WORLDS_PROBE"
 HAS_CXX = any(shutil.which(cc) for cc in ("g++", "c++"))
 
 
-def _compile_kernels(rank: int, world_size: int) -> dict[str, int]:
-    """One synchronized layer's forward and backward on the compiled kernels: inductor's cache counters."""
-    syncbn_dist.set_kernels("compiled")
-    layer = syncbn_dist.SynchronizedBatchNorm2d(3)
+def _compile_layer(rank: int, world_size: int) -> dict[str, int]:
+    """A user's ``torch.compile`` (inductor) of one synchronized layer, forward and backward: inductor's cache
+    counters."""
+    layer = torch.compile(syncbn_dist.SynchronizedBatchNorm2d(3))
     layer(torch.randn(2 + rank, 3, 4, 4, requires_grad=True)).sum().backward()
     counters = torch._dynamo.utils.counters
     return {**counters["inductor"], **counters["aot_autograd"]}
 
 
 def _leave_state(rank: int, world_size: int) -> int:
-    """Change everything a job could leave behind, the compiled kernels' caches included."""
+    """Change everything a job could leave behind, a compiled model's caches included."""
     if HAS_CXX:
-        _compile_kernels(rank, world_size)
+        _compile_layer(rank, world_size)
     syncbn_dist.set_debug(True)
     layer = syncbn_dist.SynchronizedBatchNorm2d(3)
     layer(torch.randn(2, 3, 4, 4))  # a debug-mode call number on the world group
@@ -78,7 +77,6 @@ def _state(rank: int, world_size: int) -> dict[str, Any]:
         "pid": os.getpid(),
         "world": total.item(),
         "kernels": syncbn_dist.get_kernels(),
-        "graphs": [kernel.graphs() for kernel in kernels.COMPILED_KERNELS],
         "debug": syncbn_dist.is_debug_enabled(),
         "debug_calls": len(agreement._DEBUG_CALLS),
         "eps_mode": syncbn_dist.settings._EPS_MODE,
@@ -147,8 +145,9 @@ def test_a_pooled_job_sees_what_a_fresh_process_sees(monkeypatch: pytest.MonkeyP
         pooled = run_distributed(_state, 2)
         assert [state["pid"] for state in pooled] == pids  # the same processes served both jobs
         # Variables read at every use come with each job, to the same world.
-        monkeypatch.setenv(KERNELS_ENV, "compiled")
-        assert [(s["pid"], s["kernels"]) for s in run_distributed(_state, 2)] == [(pid, "compiled") for pid in pids]
+        monkeypatch.setenv(KERNELS_ENV, "auto")
+        states = run_distributed(_state, 2)
+        assert [(s["pid"], s["kernels_env"], s["kernels"]) for s in states] == [(pid, "auto", "native") for pid in pids]
         monkeypatch.setenv(KERNELS_ENV, "native")
         # Any other difference gets a world spawned with it, whose first job is a fresh process's: the reference.
         monkeypatch.setenv(PROBE_ENV, "new")
@@ -162,11 +161,12 @@ def test_a_pooled_job_sees_what_a_fresh_process_sees(monkeypatch: pytest.MonkeyP
         assert run_distributed(_pid, 1) == pids[:1]  # a smaller job takes the first processes
         if HAS_CXX:
             # Dynamo is reset between jobs, as in a new process, but inductor's caches (the machine's, on disk, and
-            # the process's) serve the next job: the kernels _leave_state compiled, from an empty cache or not, are
+            # the process's) serve the next job: the graphs _leave_state compiled, from an empty cache or not, are
             # no second compilation.
-            for counters in run_distributed(_compile_kernels, 2):
+            for counters in run_distributed(_compile_layer, 2):
                 assert counters.get("fxgraph_cache_miss", 0) == 0 and counters["fxgraph_cache_hit"] == 2, counters
-                assert counters.get("autograd_cache_miss", 0) == 0 and counters["autograd_cache_hit"] == 2, counters
+                # (AOTAutograd's own cache passes the layer's graph by: counted as autograd_cache_bypass, not a miss.)
+                assert counters.get("autograd_cache_miss", 0) == 0, counters
         assert (pool.spawned, pool.retired) == (4, [])
         everyone = pids + [state["pid"] for state in fresh]
     assert spawn._POOL is session_pool

@@ -149,7 +149,8 @@ def _advice(records: list[list[str]]) -> str:
 
 class CheckedTransport:
     """A layer's transport over a process group that runs the gather check before each collective while
-    :func:`check_due` says so; a compiled region, whose collective runs inside it, calls :meth:`check` first.
+    :func:`check_due` says so; a region traced into a user's graph, whose collective runs inside it, calls
+    :meth:`check` first.
 
     Args:
         transport: the layer's :class:`~syncbn_dist.comm.DistributedTransport` or ``JoinTransport``.
@@ -169,7 +170,7 @@ class CheckedTransport:
 
     @property
     def group_name(self) -> Any:
-        """The compiled kernels' name of the transport's group (see ``SummingTransport.group_name``)."""
+        """The traced regions' name of the transport's group (see ``SummingTransport.group_name``)."""
         return self.transport.group_name
 
     def agreement_group(self) -> Any:

@@ -155,7 +155,7 @@ class DistributedTransport:
         return dist.group.WORLD if self.process_group is None else self.process_group
 
     def check(self, tag: Any) -> None:
-        """Called before the collective of ``tag`` that runs inside a compiled region: nothing to do here (a
+        """Called before the collective of ``tag`` that runs inside a traced region: nothing to do here (a
         :class:`~syncbn_dist.comm.agreement.CheckedTransport` checks the members' agreement)."""
 
 

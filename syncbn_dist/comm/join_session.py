@@ -202,7 +202,7 @@ class JoinTransport:
 
     name = "distributed"
     differentiable_exchange = False
-    # The controls that announce each collective to the joined ranks run in Python: no compiled region can send them.
+    # The controls that announce each collective to the joined ranks run in Python: no traced region can send them.
     group_name = UNREACHABLE
 
     def __init__(self, session: JoinSession, layer: int) -> None:

@@ -359,7 +359,7 @@ def new_sync_master(
 @functools.cache
 def install_placeholder_cuda_guard() -> None:
     """Have torch install its placeholder CUDA device guard (torch 2.11, no GPU) from the main thread or else a parked
-    daemon thread, so that no replica thread owns it (docs/design.md, "Compiled kernels", Threads)."""
+    daemon thread, so that no replica thread owns it (docs/design.md, "Replica threads")."""
     if torch.cuda.is_available() or not hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
         return
     if threading.current_thread() is threading.main_thread():

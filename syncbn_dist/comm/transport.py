@@ -21,8 +21,8 @@ class _Unreachable:
         return "UNREACHABLE"
 
 
-#: The ``group_name`` of a transport whose group the compiled kernels cannot reach (their collective would skip the
-#: Join session's announcements): its calls take the native kernels.
+#: The ``group_name`` of a transport whose group a traced region cannot reach (its collective would skip the Join
+#: session's announcements): its calls take the native kernels, also under a user's ``torch.compile``.
 UNREACHABLE: Any = _Unreachable()
 
 
@@ -49,7 +49,7 @@ class Transport(Protocol):
 class SummingTransport(Transport, Protocol):
     """A transport over a process group, whose sum can run inside an autograd Function."""
 
-    #: The group's name for the compiled kernels' functional collective (None: a group of one) or :data:`UNREACHABLE`.
+    #: The group's name for the traced regions' functional collective (None: a group of one) or :data:`UNREACHABLE`.
     group_name: Optional[str]
 
     def sum_(self, tensor: Tensor, tag: Optional[Any] = None) -> Tensor:
@@ -60,7 +60,7 @@ class SummingTransport(Transport, Protocol):
             LayerMismatchError: if the members sent different tags (on every member)."""
 
     def check(self, tag: Any) -> None:
-        """Called before the collective of ``tag`` that runs inside a compiled region (not through ``sum_``)."""
+        """Called before the collective of ``tag`` that runs inside a traced region (not through ``sum_``)."""
 
 
 class ExchangeTransport(Transport, Protocol):

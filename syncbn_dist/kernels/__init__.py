@@ -1,5 +1,6 @@
-"""The layer's per-element work: two kernel sets with one math.
+"""The layer's per-element work: one math, run two ways.
 
-:mod:`.native` runs torch's batch-norm ops (the default); :mod:`.compiled` is one source that ``torch.compile`` fuses
-and a user's ``torch.compile`` traces. The other files, and what this package imports: docs/design.md, "The package".
+:mod:`.native` runs torch's batch-norm ops in every eager call; :mod:`.compiled` is the one source a user's
+``torch.compile`` traces into its graph, which inductor fuses. The other files, and what this package imports:
+docs/design.md, "The package".
 """

@@ -1,7 +1,8 @@
 """The native kernels: the synchronized layer's per-element work as torch's own batch-norm ops.
 
-The ``"native"`` kernel set, and every call the compiled kernels do not serve: CPU's inference-mode batch norm and its
-backward, CUDA's ``torch.nn.SyncBatchNorm`` kernels. Its two regimes: docs/design.md, "Bytes per activation element".
+Every eager synchronized call runs them (a user's ``torch.compile`` traces :mod:`.compiled` instead): CPU's
+inference-mode batch norm and its backward, CUDA's ``torch.nn.SyncBatchNorm`` kernels. Its two regimes:
+docs/design.md, "Bytes per activation element".
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Whether the running code is being traced by ``torch.compile``, per thread.
 
 :func:`is_compiling` is False in a replica's eager forward (:func:`eager_replica_thread`): Dynamo's flag is
-process-wide, so a replica thread that compiles would send the others down traced branches (docs/design.md, "Compiled
-kernels"). Also asked here: forward-mode AD or a ``torch.func`` transform (:func:`_forward_ad_active`),
-functorch-wrapped tensors (``_is_functorch_wrapped``), a checkpoint recomputation (:func:`is_recomputing`).
+process-wide, so a replica thread whose forward compiles (a user's compiled submodule) would send the others down
+traced branches (docs/design.md, "Replica threads"). Also asked here: forward-mode AD or a ``torch.func`` transform
+(:func:`_forward_ad_level_active`), functorch-wrapped tensors (``_is_functorch_wrapped``), a checkpoint recomputation
+(:func:`is_recomputing`).
 """
 
 from __future__ import annotations
@@ -54,13 +55,9 @@ def eager_replica_thread() -> Iterator[None]:
         _thread.eager_replica = previous
 
 
-def _forward_ad_active() -> bool:
-    """Whether a ``torch.autograd.forward_ad.dual_level`` or a ``torch.func`` transform is active (eager only)."""
-    return not is_compiling() and _forward_ad_level_active()
-
-
 def _forward_ad_level_active() -> bool:
-    """:func:`_forward_ad_active` for a caller that knows it is not being traced."""
+    """Whether a ``torch.autograd.forward_ad.dual_level`` or a ``torch.func`` transform is active (asked by a caller
+    that knows it is not being traced)."""
     return forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None
 
 

@@ -45,7 +45,7 @@ class _SoloTransport:
 
     name = "local"
     differentiable_exchange = False
-    group_name = None  # the compiled kernels' name for a group of one: no collective
+    group_name = None  # the traced regions' name for a group of one: no collective
 
     def sum_(self, tensor: Tensor, tag: Optional[CollectiveTag] = None) -> Tensor:
         return tensor

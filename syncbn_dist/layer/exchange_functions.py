@@ -2,8 +2,8 @@
 
 ``_LocalPayload`` -> ``transport.all_reduce`` -> ``_Normalize``: every replica's backward runs in one autograd thread,
 where no exchange could happen, so the exchange's sum is itself an autograd edge and each Function has the true
-vector-Jacobian product of its forward (docs/design.md, "Higher-order derivatives"). This path runs the native kernels
-in every kernel mode.
+vector-Jacobian product of its forward (docs/design.md, "Higher-order derivatives"). This path runs the native kernels,
+and stays eager under a user's ``torch.compile``.
 """
 
 from __future__ import annotations

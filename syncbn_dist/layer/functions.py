@@ -1,7 +1,7 @@
 r"""The process-group autograd Function and :func:`sync_batch_norm`, the entry point of every synchronized forward.
 
 One float64 collective per direction: forward ``[sum(x), sum(x**2), count, tag]``, backward ``[sum(dy), sum(dy *
-x_hat), 0, tag]`` (2C + 6 values each), on the native ops or one compiled region per direction. A differentiable
+x_hat), 0, tag]`` (2C + 6 values each), on the native ops, or traced into a user's ``torch.compile``. A differentiable
 exchange (DataParallel replicas) takes :mod:`syncbn_dist.layer.exchange_functions` instead. docs/design.md, "The
 statistics" and "Higher-order derivatives".
 """
@@ -56,13 +56,11 @@ class _SyncBatchNormFunction(Function):
         tags: tuple[Any, Any],
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         tag = tags[0]
-        if group_name is not NATIVE:  # payload, all_reduce and normalize: one compiled region, or the user's graph
+        if group_name is not NATIVE:  # payload, all_reduce and normalize, traced into the user's graph
             transport.check(tag)
-            output, mean, unbiased_var, var, count, summed_tag = kernels.layer_forward(
+            output, mean, unbiased_var, var, count = kernels.layer_forward(
                 input, weight, bias, eps, eps_mode == "clip", group_name, tag
             )
-            if not is_compiling():  # (a traced graph checks it with an op of its own)
-                tag.verify(summed_tag, transport)
             _checked_count(count, input)
             return output, mean, unbiased_var, var, count
         total = transport.sum_(_local_payload(input, is_compiling(), tag), tag)
@@ -94,14 +92,12 @@ class _SyncBatchNormFunction(Function):
         grad_output = _like_input(grad_output, input)
         needs = ctx.needs_input_grad
         tag = ctx.tags[1]
-        if ctx.group_name is not NATIVE:  # reductions, all_reduce and grad_input in one compiled region
+        if ctx.group_name is not NATIVE:  # reductions, all_reduce and grad_input, traced into the user's graph
             ctx.transport.check(tag)
-            grad_input, sum_dy_xhat, sum_dy, summed_tag = kernels.layer_backward(
+            grad_input, sum_dy_xhat, sum_dy = kernels.layer_backward(
                 grad_output, input, weight, mean, var, count, ctx.eps, ctx.eps_mode == "clip", ctx.group_name, needs[0],
                 tag,
             )
-            if not is_compiling():
-                tag.verify(summed_tag, ctx.transport)
             param_dtype = mean.dtype if weight is None else weight.dtype
             grad_weight = sum_dy_xhat.to(param_dtype) if needs[1] else None
             grad_bias = sum_dy.to(param_dtype) if needs[2] else None
@@ -123,13 +119,13 @@ class _SyncBatchNormFunction(Function):
         return grad_input, *grads, None, None, None, None, None
 
 
-def _kernel_choice(input: Tensor, transport: Any, compiling: bool) -> Any:
-    """The kernels of one call, both directions: the group name the compiled regions reduce over (None: a group of
-    one), or :data:`~syncbn_dist.kernels.compiled.NATIVE` (an unreachable group, or the kernel switch says so)."""
-    if not kernels.takes_compiled_kernels(input, compiling):
+def _kernel_choice(transport: Any, compiling: bool) -> Any:
+    """The kernels of one call, both directions: under a user's ``torch.compile``, the group name the traced regions
+    reduce over (None: a group of one); else, or for a group they cannot reach, the native kernels
+    (:data:`~syncbn_dist.kernels.compiled.NATIVE`)."""
+    if not compiling or transport.group_name is UNREACHABLE:
         return NATIVE
-    group_name = transport.group_name
-    return NATIVE if group_name is UNREACHABLE else group_name
+    return transport.group_name
 
 
 class _SyncBatchNormForwardAD(_SyncBatchNormFunction):
@@ -257,7 +253,7 @@ def sync_batch_norm(
             input, weight, bias, eps, eps_mode, transport, tags
         )
     else:
-        args = (input, weight, bias, eps, eps_mode, transport, _kernel_choice(input, transport, compiling), tags)
+        args = (input, weight, bias, eps, eps_mode, transport, _kernel_choice(transport, compiling), tags)
         if compiling:
             output, mean, unbiased_var, *_ = _SyncBatchNormFunction.apply(*args)
         elif _forward_ad_level_active():  # a dual level or a torch.func transform: Function.apply handles both
