@@ -514,7 +514,7 @@ def test_each_fast_path_is_one_line_of_the_package_and_its_copy_retires_it(tmp_p
     from launch.bench import fast_paths
 
     package = Path(fast_paths.syncbn_dist.__file__).parent
-    for path, (relative, keep, retire, _) in fast_paths.FAST_PATHS.items():
+    for path, (relative, keep, retire) in fast_paths.FAST_PATHS.items():
         assert (package / relative).read_text().count(keep) == 1, f"{path}: the line it names is gone"
         name = fast_paths._retired_copy(path, str(tmp_path))
         text = (tmp_path / name / relative).read_text()
