@@ -386,8 +386,7 @@ def test_kernel_profile_on_cuda_sums_each_variants_device_kernels() -> None:
 
 # The ResNet-50 step at toy size on CPU: the rows, counts and checks launch.bench.resnet50_step reports.
 RESNET50_TOY = [
-    # 64x64: the last stage is 2x2, so the compiled kernels meet one signature (image_size=32's 1x1 last stage is a
-    # second one, L = 1: twice the compiled graphs, 4 more C++ kernels) for a few ms more of eager compute.
+    # 64x64: the last stage is 2x2 (the tolerances below were measured there).
     "device=cpu", "width=8", "image_size=64", "batch_size=4", "steps=2", "warmup=2", "rounds=1",
     # eager: the torch.compile rows trace the model with Dynamo (graph breaks, the collectives in the graph) without
     # AOT autograd's 10 s here or minutes of C++ compilation.
@@ -402,9 +401,8 @@ def test_resnet50_step_on_cpu_reports_every_variant_forced_onto_the_group(tmp_pa
     variant timed and counted, the CUDA-only ones skipped with their reason, and every synchronized variant sending
     its two collectives per BatchNorm layer per step over a one-member group, where it computes plain BatchNorm.
 
-    About 30 s from an empty inductor cache (30-31 CPU s; 29-36 s wall on 2 cores, as loaded; 22 s warm), most of it
-    compiling, which the script does as make bench-gpu runs it: Dynamo traces the converted model's 53 synchronized
-    layers in 8 s (plain's in 1 s), and the compiled kernels' first build takes 3 s warm, 10 s cold.
+    23 CPU s (35 s wall on 2 cores, as loaded), most of it compiling, which the script does as make bench-gpu runs
+    it: Dynamo traces the converted model's 53 synchronized layers in 8 s (plain's in 1 s).
     """
     report = tmp_path / "resnet50_step.md"
     proc = _run_module("launch.bench.resnet50_step", *RESNET50_TOY, f"output={report}")
@@ -428,12 +426,12 @@ def test_resnet50_step_on_cpu_reports_every_variant_forced_onto_the_group(tmp_pa
     # Forced synchronization: one all_reduce per layer and direction, counted from the model's own BatchNorm layers.
     layers = sum(isinstance(m, nn.BatchNorm2d) for m in ResNet50(width=8).modules())
     assert layers == 53  # torchvision's resnet50
-    for name in ("naive", "syncbn_dist_native", "syncbn_dist_compiled", "syncbn_dist_compile"):
+    for name in ("naive", "syncbn_dist_native", "syncbn_dist_compile"):
         assert rows[name]["collectives"] == 2 * layers, name
     assert rows["plain"]["collectives"] == rows["plain_compile"]["collectives"] == 0
     # aten ops: where the counter sees them as they run; the synchronized layer dispatches more than plain's.
     assert rows["syncbn_dist_native"]["aten_ops"] > rows["plain"]["aten_ops"] > 0
-    assert rows["syncbn_dist_compiled"]["aten_ops"] is None and rows["syncbn_dist_compile"]["aten_ops"] is None
+    assert rows["syncbn_dist_compile"]["aten_ops"] is None
     assert rows["syncbn_dist_compile"]["graph_breaks"] == 0
 
     # Over a group of one the synchronized layers compute plain BatchNorm: the same logits at the first step, the same
@@ -443,7 +441,7 @@ def test_resnet50_step_on_cpu_reports_every_variant_forced_onto_the_group(tmp_pa
     # allowed 1e-5. A wrong variance (unbiased for biased: 16/15 at the last stage's 16 values per channel, 3e-2 in the
     # logits, measured) or a wrong gradient changes them by orders of magnitude more.
     plain = rows["plain"]
-    for name in ("syncbn_dist_native", "syncbn_dist_compiled", "syncbn_dist_compile", "plain_compile"):
+    for name in ("syncbn_dist_native", "syncbn_dist_compile", "plain_compile"):
         assert rows[name]["max_abs_logit_diff"] <= 1e-4, (name, rows[name]["max_abs_logit_diff"])
         torch.testing.assert_close(rows[name]["losses"], plain["losses"], rtol=1e-5, atol=0.0, msg=name)
 

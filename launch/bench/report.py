@@ -144,7 +144,6 @@ def readme_tables(summary: dict[str, Any]) -> str:
 # The ResNet-50 step's rows in the README: (how it runs, plain's variant, syncbn_dist's variant, torch's or None).
 _STEP_ROWS = (
     ("eager, native kernels", "plain", "syncbn_dist_native", "torch_function"),
-    ("eager, compiled kernels", "plain", "syncbn_dist_compiled", "torch_function"),
     ("torch.compile", "plain_compile", "syncbn_dist_compile", None),
     ('torch.compile "reduce-overhead" (CUDA graphs)', "plain_reduce_overhead", "syncbn_dist_reduce_overhead", None),
 )
