@@ -95,9 +95,9 @@ bench: install
 	OMP_NUM_THREADS=1 $(PY) -m launch.bench.compiled_graph output=docs/performance_compiled_graph.md
 	$(PY) -m launch.bench.fast_paths output=docs/performance_fast_paths.md
 
-# On a CUDA machine: the gpu-marked tests on both kernel sets, the one-layer benchmark on the GPU, the ResNet-50
-# training step with each library's synchronization forced (launch.bench.resnet50_step: issue 34's G1-G3 ratios) and
-# the kernels' device time (launch/bench/gpu.sh). GPU_PY: a python whose torch has CUDA (the .venv's is the CPU build).
+# On a CUDA machine: the gpu-marked tests, the one-layer benchmark on the GPU, the ResNet-50 training step with each
+# library's synchronization forced (launch.bench.resnet50_step: issue 34's G1-G3 ratios) and the kernels' device time
+# (launch/bench/gpu.sh). GPU_PY: a python whose torch has CUDA (the .venv's is the CPU build).
 # Together they outlast one 10-minute device call: GPU_STAGES="tests step" (of tests micro step kernels other) picks.
 GPU_PY ?= $(PY)
 GPU_OUT ?= outputs/bench_gpu

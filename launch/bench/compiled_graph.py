@@ -157,18 +157,13 @@ def measure(cfg: CompiledGraphConfig) -> dict[str, Any]:
     grad = torch.randn_like(small)
     bn = nn.BatchNorm2d(64)
     layer = force_sync(syncbn_dist.convert_model(nn.BatchNorm2d(64)))
-    mode = syncbn_dist.get_kernels()
-    syncbn_dist.set_kernels("native")
-    try:
-        result["layer_us"] = _median_us(
-            {
-                "nn.BatchNorm2d": lambda: bn(small).backward(grad),
-                "syncbn_dist": lambda: layer(small).backward(grad),
-            },
-            cfg.repeats,
-        )
-    finally:
-        syncbn_dist.set_kernels(mode)
+    result["layer_us"] = _median_us(
+        {
+            "nn.BatchNorm2d": lambda: bn(small).backward(grad),
+            "syncbn_dist": lambda: layer(small).backward(grad),
+        },
+        cfg.repeats,
+    )
     return result
 
 

@@ -90,10 +90,6 @@ class MicroConfig:
     profile: bool = True
     profile_top: int = positive(10)
     timeout_s: float = positive(300.0)
-    # The first call of the compiled kernels in a new process, cold and warm inductor cache (two subprocesses).
-    compile_cost: bool = True
-    # The compiled kernels' bytes per element by inductor's count (a fresh compilation per case).
-    kernel_bytes: bool = True
     # GLIBC_TUNABLES of the worker ("": inherit). By default glibc returns the freed top of the heap to the OS (trim)
     # and mmaps large blocks afresh, so a layer's outputs are refilled by page faults on some calls and not others:
     # up to 2000 a call at (32, 64, 28, 28), which swung F.batch_norm between 1.3 and 2.9 ms from run to run.

@@ -15,7 +15,6 @@ the rounds' paired differences (without - with), its 95% bootstrap interval, and
 from __future__ import annotations
 
 import importlib
-import os
 import shutil
 import statistics
 import sys
@@ -40,22 +39,17 @@ from launch.common.io import write_text
 from launch.common.spawn import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-# name: (file of the package, the line that keeps the path, the line that retires it, the kernel set it serves)
+# name: (file of the package, the line that keeps the path, the line that retires it)
 FAST_PATHS = {
-    "direct_call": (
-        "kernels/compiled_kernel.py", "DIRECT_CALLS = True", "DIRECT_CALLS = False", "compiled",
-    ),
     "cpp_apply": (
         "layer/functions.py",
         "super(Function, _SyncBatchNormFunction).apply(*args)",
         "_SyncBatchNormFunction.apply(*args)",
-        "native",
     ),
     "transport_cache": (
         "layer/batchnorm.py",
         "else cached_distributed_transport(",
         "else distributed_transport(",
-        "native",
     ),
 }
 _CHECK_EVERY = 20  # rounds between the ranks' joint decision to go on
@@ -74,7 +68,7 @@ class FastPathsConfig:
 
 def _retired_copy(path: str, directory: str) -> str:
     """Copy the package into ``directory`` as ``syncbn_dist_without_<path>`` with ``path`` retired; its name."""
-    relative, keep, retire, _ = FAST_PATHS[path]
+    relative, keep, retire = FAST_PATHS[path]
     name = f"syncbn_dist_without_{path}"
     shutil.copytree(Path(syncbn_dist.__file__).parent, Path(directory, name))
     source = Path(directory, name, relative)
@@ -131,22 +125,17 @@ def measure(cfg: FastPathsConfig) -> list[dict[str, Any]]:
     """One row per fast path and scenario: the paired difference of the steps without and with it."""
     rows = []
     for path in cfg.paths:
-        kernels = FAST_PATHS[path][3]
         for scenario_name in cfg.scenarios:
             scenario = yaml.safe_load((ROOT / "configs" / f"bench_{scenario_name}.yaml").read_text())
             with tempfile.TemporaryDirectory() as directory:
                 name = _retired_copy(path, directory)
-                os.environ["SYNCBN_DIST_KERNELS"] = kernels
-                try:
-                    with_path, without_path = run_distributed(
-                        _worker, cfg.world_size, scenario, directory, name, cfg, timeout=cfg.round_budget_s + 900,
-                        fresh=True,
-                    )[0]
-                finally:
-                    os.environ.pop("SYNCBN_DIST_KERNELS")
+                with_path, without_path = run_distributed(
+                    _worker, cfg.world_size, scenario, directory, name, cfg, timeout=cfg.round_budget_s + 900,
+                    fresh=True,
+                )[0]
             step = statistics.median(with_path)
             difference = _paired_difference(with_path, without_path)
-            rows.append({"path": path, "scenario": scenario_name, "kernels": kernels, "rounds": len(with_path),
+            rows.append({"path": path, "scenario": scenario_name, "rounds": len(with_path),
                          "step_ms": step * 1e3, **{k: v * 1e3 for k, v in difference.items()},
                          "ratio": difference["median"] / step})
             print(_row(rows[-1]), flush=True)
@@ -154,7 +143,7 @@ def measure(cfg: FastPathsConfig) -> list[dict[str, Any]]:
 
 
 def _row(row: dict[str, Any]) -> str:
-    return (f"| {row['path']} | {row['scenario']} | {row['kernels']} | {row['rounds']} | {row['step_ms']:.3f} | "
+    return (f"| {row['path']} | {row['scenario']} | {row['rounds']} | {row['step_ms']:.3f} | "
             f"{row['median']:+.3f} | [{row['ci95_low']:+.3f}, {row['ci95_high']:+.3f}] | {row['ratio'] * 100:+.1f}% |")
 
 
@@ -173,8 +162,8 @@ def render(rows: list[dict[str, Any]], cfg: FastPathsConfig) -> str:
         "ratio: that median over the step's median with the path. What each path is: docs/design.md, \"Private torch "
         "APIs and changes to torch's classes\".",
         "",
-        "| fast path | scenario | kernels | rounds | step with (ms) | difference (ms) | 95% interval | ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| fast path | scenario | rounds | step with (ms) | difference (ms) | 95% interval | ratio |",
+        "|---|---|---|---|---|---|---|",
         *(_row(row) for row in rows),
         "",
     ]

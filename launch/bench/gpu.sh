@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# The checks only a GPU can run (docs/gpu.md): the gpu-marked tests on both kernel sets, then the
-# one-layer microbenchmark on CUDA beside torch.nn.SyncBatchNorm's kernels, with K3 and the compile cost on Triton,
-# the ResNet-50 training step with each library's synchronization forced (launch.bench.resnet50_step: issue 34's
-# G1-G3 and each row's device time per step), then each variant's kernels' device time (launch.bench.kernel_profile
-# device=cuda). Writes 8 files into OUT_DIR, the most a device run brings back.
+# The checks only a GPU can run (docs/gpu.md): the gpu-marked tests, then the one-layer microbenchmark on CUDA
+# beside torch.nn.SyncBatchNorm's kernels, the ResNet-50 training step with each library's synchronization forced
+# (launch.bench.resnet50_step: issue 34's G1-G3 and each row's device time per step), then each variant's kernels'
+# device time (launch.bench.kernel_profile device=cuda). Writes 8 files into OUT_DIR, the most a device run brings back.
 #
 #   make bench-gpu GPU_PY=python3                   # writes outputs/bench_gpu/
 #   bash launch/bench/gpu.sh python3 /tmp/out       # a GPU machine whose python3 has torch (and omegaconf, tqdm)
@@ -16,7 +15,7 @@
 #
 # All stages take longer than one 10-minute device call: GPU_STAGES (default: all of them, in this order) picks
 # some of tests (test_gpu.py), micro (the one-layer benchmark), step (the ResNet-50 step), kernels (device time)
-# and other (the other files' gpu tests on both kernel sets).
+# and other (the other files' gpu tests).
 #
 # From the repository root. Extra arguments go to launch.bench.run as KEY=VALUE overrides. Exits 1 if any step failed.
 set -uo pipefail
@@ -33,7 +32,6 @@ mkdir -p "$OUT_DIR"
 status=0
 STAGES=" ${GPU_STAGES:-tests micro step kernels other} "
 stage() { [[ "$STAGES" == *" $1 "* ]]; }
-# test_gpu.py runs both kernel sets itself (exactness on every layout, K3 on Triton).
 if stage tests; then
     "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT_DIR/pytest_gpu.log" || status=1
 fi
@@ -50,21 +48,19 @@ if stage step; then
     timeout -s ABRT 480 "$PY" -X faulthandler -m launch.bench.resnet50_step device=cuda \
         output="$OUT_DIR/resnet50_step.md" 2>&1 | tee -a "$OUT_DIR/bench.log" || status=1
 fi
-# The kernels' device time beside torch's, at a layer in L2 and one larger than it.
+# The kernels' device time (the layer inside a user's torch.compile, on Triton, and the eager ones) beside torch's, at
+# a layer in L2 and one larger than it.
 for args in "" "shape=[64,256,56,56] memory_format=channels_last"; do
     stage kernels || break
     # shellcheck disable=SC2086  # $args: zero or more KEY=VALUE words
     "$PY" -m launch.bench.kernel_profile device=cuda $args 2>&1 | tee -a "$OUT_DIR/kernel_profile.log" || status=1
 done
-# The other files' gpu tests on the native kernels (the suite's default), then on the compiled ones (one log: a
-# device run brings back at most 8 files).
-# On one H100 (torch 2.11) the compiled pass, run under pytest-xdist, finished its tests and then did not exit: here
-# each pass gets 300 s, and SIGABRT then makes pytest's faulthandler print every thread's stack into the log.
-for kernels in native compiled; do
-    stage other || break
-    SYNCBN_DIST_KERNELS=$kernels timeout -s ABRT 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+# The other files' gpu tests. On one H100 (torch 2.11) a pass under pytest-xdist finished its tests and then did not
+# exit: here it gets 300 s, and SIGABRT then makes pytest's faulthandler print every thread's stack into the log.
+if stage other; then
+    timeout -s ABRT 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
         tests/test_batchnorm.py tests/test_features.py tests/test_classic_api.py tests/test_replicate.py \
         tests/test_bench.py 2>&1 \
         | tee -a "$OUT_DIR/pytest_other.log" || status=1
-done
+fi
 exit $status

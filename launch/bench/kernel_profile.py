@@ -1,4 +1,5 @@
-"""Each kernel of one compiled synchronized layer beside torch's batch-norm kernels, in the same loop.
+"""Each kernel of one synchronized layer inside a user's ``torch.compile`` beside torch's batch-norm kernels, in the
+same loop.
 
     .venv/bin/python -m launch.bench.kernel_profile                                     # (32, 64, 28, 28) float32
     .venv/bin/python -m launch.bench.kernel_profile shape=[256,512] dtype=bfloat16
@@ -6,16 +7,17 @@
         .venv/bin/python -m launch.bench.kernel_profile memory_format=channels_last        # as make bench's micro runs
     python3 -m launch.bench.kernel_profile device=cuda                       # a GPU box: Triton and CUDA kernels
 
-It compiles the layer's two regions afresh with inductor's kernel profiling on (``cpp.enable_kernel_profile``: each
-generated C++ kernel records a profiler event), runs the microbenchmark's ``syncbn_dist compiled`` and ``F.batch_norm``
-variants alternately in a one-member gloo group on one thread, and prints the mean µs per step of every inductor
-kernel and of ``native_batch_norm`` and its backward, then the four kernels' total against torch's two. This is
-what tells the kernels' share of K1 from the per-call cost around them (docs/design.md, "Where K1's time goes").
+The traced layer (:data:`TRACED`) is ``torch.compile`` of a converted BatchNorm layer whose synchronization is forced
+onto a one-member group (:func:`launch.bench.resnet50_step.force_sync`): what a user's compiled model runs for each
+of its syncbn_dist layers, the graph traced from :mod:`syncbn_dist.kernels` with its collectives in it. Compiled
+afresh with inductor's kernel profiling on (``cpp.enable_kernel_profile``: each generated C++ kernel records a
+profiler event), it runs alternately with the microbenchmark's ``F.batch_norm`` variant in a one-member gloo group
+on one thread, and the script prints the mean µs per step of every inductor kernel and of ``native_batch_norm`` and
+its backward, then the generated kernels' total against torch's two.
 
-With ``device=cuda`` (a one-member NCCL group) it profiles the GPU instead: for ``syncbn_dist compiled``,
-``syncbn_dist`` (the native kernels), ``F.batch_norm`` and torch's SyncBatchNorm function, each alone, the mean
-device µs per step of every CUDA kernel (Triton's and torch's) and their total, which is the layer's cost once the
-host keeps ahead of the GPU.
+With ``device=cuda`` (a one-member NCCL group) it profiles the GPU instead: for the traced layer, ``syncbn_dist``
+(eager), ``F.batch_norm`` and torch's SyncBatchNorm function, each alone, the mean device µs per step of every CUDA
+kernel (Triton's and torch's) and their total, which is the layer's cost once the host keeps ahead of the GPU.
 """
 
 from __future__ import annotations
@@ -23,19 +25,22 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, TypeVar
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
+import syncbn_dist
 from launch.bench.config import DTYPES, MEMORY_FORMATS
-from launch.bench.micro import COMPILED, _Case
+from launch.bench.micro import _Case
 from launch.common.config import ConfigError, config_error_exit, one_of, parse_config, positive, ruled
 
 _TORCH_KERNELS = ("aten::native_batch_norm", "aten::native_batch_norm_backward")
-# The microbenchmark's variants whose CUDA kernels device=cuda profiles.
-CUDA_VARIANTS = (COMPILED, "syncbn_dist", "F.batch_norm", "torch SyncBatchNorm fn")
+TRACED = "syncbn_dist, torch.compile"
+# The variants whose CUDA kernels device=cuda profiles: the traced layer, then the microbenchmark's.
+CUDA_VARIANTS = (TRACED, "syncbn_dist", "F.batch_norm", "torch SyncBatchNorm fn")
 
 
 @dataclass
@@ -50,17 +55,31 @@ class KernelProfileConfig:
     warmup: int = positive(10)
 
 
-P = TypeVar("P", bound=KernelProfileConfig)
+def traced_layer(case: _Case) -> Callable[[Tensor], Tensor]:
+    """``torch.compile`` of a converted BatchNorm layer for ``case``'s input (its device and dtype, ``num_features``
+    its channels), synchronization forced onto the default group; each call clears the layer's parameter gradients
+    first, as ``case`` does its own, so that no call accumulates into the last one's."""
+    from launch.bench.resnet50_step import force_sync  # it imports this module
+
+    batchnorm = nn.BatchNorm2d if case.x.dim() == 4 else nn.BatchNorm1d
+    layer = force_sync(syncbn_dist.convert_model(batchnorm(case.x.size(1))))
+    layer.to(device=case.device, dtype=case.x.dtype)
+    compiled = torch.compile(layer)
+
+    def step(x: Tensor) -> Tensor:
+        layer.zero_grad(set_to_none=True)
+        return compiled(x)
+
+    return step
 
 
 def kernel_times(cfg: KernelProfileConfig) -> dict[str, float]:
-    """Mean µs per step of every inductor kernel of the compiled layer and of torch's batch-norm kernels."""
+    """Mean µs per step of every inductor kernel of the traced layer and of torch's batch-norm kernels."""
     from torch._inductor import config as inductor_config
 
     torch.set_num_threads(1)
     case = _Case(cfg.shape, getattr(torch, cfg.dtype), cfg.memory_format == "channels_last", torch.device("cpu"))
-    variants = case.variants()
-    steps = (variants[COMPILED], variants["F.batch_norm"])
+    steps = (traced_layer(case), case.variants()["F.batch_norm"])
     with (
         inductor_config.patch({"cpp.enable_kernel_profile": True, "fx_graph_cache": False}),
         torch._functorch.config.patch(enable_autograd_cache=False),
@@ -82,7 +101,7 @@ def kernel_times(cfg: KernelProfileConfig) -> dict[str, float]:
 def device_kernel_times(cfg: KernelProfileConfig) -> dict[str, dict[str, float]]:
     """Per variant, the mean device µs per step of every CUDA kernel it launches (the variant profiled alone)."""
     case = _Case(cfg.shape, getattr(torch, cfg.dtype), cfg.memory_format == "channels_last", torch.device("cuda"))
-    variants = case.variants()
+    variants = {TRACED: traced_layer(case), **case.variants()}
     found = {}
     for name in CUDA_VARIANTS:
         step = variants[name]
@@ -101,10 +120,9 @@ def device_kernel_times(cfg: KernelProfileConfig) -> dict[str, dict[str, float]]
     return found
 
 
-def parse_profile_config(schema: type[P], argv: Optional[Sequence[str]], description: str) -> P:
-    """``schema`` (this config or one extending it) from ``argv``; raises ConfigError, also for channels_last with a
-    shape that is not 4D."""
-    cfg = parse_config(schema, argv, description)
+def parse_profile_config(argv: Optional[Sequence[str]]) -> KernelProfileConfig:
+    """The config from ``argv``; raises ConfigError, also for channels_last with a shape that is not 4D."""
+    cfg = parse_config(KernelProfileConfig, argv, __doc__.splitlines()[0])
     if cfg.memory_format == "channels_last" and len(cfg.shape) != 4:
         raise ConfigError("memory_format=channels_last needs a 4D shape")
     return cfg
@@ -124,7 +142,7 @@ def one_member_group(device: str) -> Iterator[None]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
-        cfg = parse_profile_config(KernelProfileConfig, argv, __doc__.splitlines()[0])
+        cfg = parse_profile_config(argv)
     except ConfigError as error:
         return config_error_exit(error)
     if cfg.device == "cuda":
@@ -141,7 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{micros:10.1f} µs  {name}")
     ours = sum(micros for name, micros in times.items() if name.startswith("graph_"))
     theirs = sum(times.get(name, 0.0) for name in _TORCH_KERNELS)
-    print(f"compiled kernels {ours:.1f} µs, torch's {theirs:.1f} µs, ratio {ours / theirs:.2f}")
+    print(f"generated kernels {ours:.1f} µs, torch's {theirs:.1f} µs, ratio {ours / theirs:.2f}")
     return 0
 
 

@@ -170,7 +170,6 @@ def _worker(rank: int, world_size: int, shape: list[int]) -> dict[str, dict[str,
     import syncbn_dist
 
     library = _emulate_cuda_kernels()
-    syncbn_dist.set_kernels("native")
     plain = nn.BatchNorm2d(shape[1]) if len(shape) == 4 else nn.BatchNorm1d(shape[1])
     torch_layer = _TorchSyncBatchNorm(shape[1])
     counts = {"syncbn_dist": _count(syncbn_dist.convert_model(plain), shape, rank),
@@ -186,7 +185,6 @@ def _times(shape: list[int], repeats: int) -> dict[str, float]:
     from launch.bench.resnet50_step import force_sync
 
     with one_member_group("cpu"):
-        syncbn_dist.set_kernels("native")
         x = torch.randn(shape, requires_grad=True)
         grad = torch.randn(shape)
         plain = nn.BatchNorm2d(shape[1]) if len(shape) == 4 else nn.BatchNorm1d(shape[1])

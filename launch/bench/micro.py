@@ -13,11 +13,8 @@ weight and bias), beside the modelled bytes of torch.nn.SyncBatchNorm's CUDA ker
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import time
-from typing import Any, Callable, Iterator, NamedTuple
-from unittest import mock
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,27 +22,17 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
-import syncbn_dist
 from launch.common.counting import count_layer
 from syncbn_dist.comm import DistributedTransport
-from syncbn_dist.kernels import compiled as kernels
-from syncbn_dist.layer.batchnorm import _SoloTransport
 from syncbn_dist.layer.functions import sync_batch_norm
 
 _MOMENTUM = 0.1
 _EPS = 1e-5
 # References that may be missing or fail on some device/dtype; F.batch_norm and syncbn_dist must run.
 _OPTIONAL = ("torch SyncBatchNorm fn",)
-# The baseline of the compiled kernels' targets: F.batch_norm plus syncbn_dist's two collectives.
+# F.batch_norm plus syncbn_dist's two collectives: the floor of any synchronized BatchNorm with one collective per
+# direction.
 F_BATCH_NORM_WITH_COLLECTIVES = "F.batch_norm + collectives"
-COMPILED = "syncbn_dist compiled"
-COMPILED_WITH_PER_CHANNEL = "syncbn_dist compiled, with per-channel"
-# Where the compiled layer's time goes: its regions compiled for a group of one (no collective inside), and its step
-# with both regions replaced by their first results (what remains is host work around them).
-COMPILED_NO_COLLECTIVE = "syncbn_dist compiled, no collective"
-COMPILED_REGIONS_REPLAYED = "syncbn_dist compiled, regions replayed"
-# Variants whose kernels run inside a compiled graph: the op and byte counters (dispatch modes) cannot see them.
-_UNCOUNTED = (COMPILED, COMPILED_NO_COLLECTIVE, COMPILED_REGIONS_REPLAYED)
 # torch.nn.SyncBatchNorm's CUDA kernels touch each activation element 8 times at their interface: forward
 # batch_norm_stats reads x (1) and batch_norm_elemt reads x and writes y (2); backward batch_norm_backward_reduce
 # reads dy and x (2) and batch_norm_backward_elemt reads dy and x and writes dx (3). Per-channel tensors and the
@@ -72,39 +59,6 @@ class _SameCollectives(torch.autograd.Function):
         return grad
 
 
-class _Replay:
-    """A compiled region of :mod:`syncbn_dist.kernels` that, while ``on``, returns its first call's results for the
-    shape, dtype and strides of its first argument."""
-
-    def __init__(self, region: Callable[..., Any]) -> None:
-        self.region, self.on, self.results = region, False, {}
-
-    def __call__(self, first: Tensor, *args: Any) -> Any:
-        if not self.on:
-            return self.region(first, *args)
-        key = (first.shape, first.dtype, first.stride())
-        if key not in self.results:
-            self.results[key] = self.region(first, *args)
-        return self.results[key]
-
-
-def _with_kernels(mode: str, fn: Callable[[Tensor], Tensor], replay: bool = False) -> Callable[[Tensor], Tensor]:
-    """``fn`` run with ``syncbn_dist.set_kernels(mode)`` (forward and the backward that follows), the compiled
-    regions replayed (:class:`_Replay`) if ``replay``."""
-
-    def run(x: Tensor) -> Tensor:
-        syncbn_dist.set_kernels(mode)
-        for name in ("_forward_region", "_backward_region"):
-            region = getattr(kernels, name)
-            if not isinstance(region, _Replay):
-                region = _Replay(region)
-                setattr(kernels, name, region)
-            region.on = replay
-        return fn(x)
-
-    return run
-
-
 class _Case:
     """Inputs and per-variant closures for one (shape, dtype, memory format)."""
 
@@ -129,7 +83,7 @@ class _Case:
         def plain(x: Tensor) -> Tensor:
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True, _MOMENTUM, _EPS)
 
-        def synchronized(x: Tensor, transport: Any = transport) -> Tensor:
+        def synchronized(x: Tensor) -> Tensor:
             return sync_batch_norm(
                 x, self.weight, self.bias, self.running_mean, self.running_var, _MOMENTUM, _EPS, transport
             )
@@ -137,10 +91,7 @@ class _Case:
         found: dict[str, Callable[[Tensor], Tensor]] = {
             "F.batch_norm": plain,
             F_BATCH_NORM_WITH_COLLECTIVES: lambda x: _SameCollectives.apply(plain(x)),
-            "syncbn_dist": _with_kernels("native", synchronized),
-            COMPILED: _with_kernels("compiled", synchronized),
-            COMPILED_NO_COLLECTIVE: _with_kernels("compiled", lambda x: synchronized(x, _SoloTransport())),
-            COMPILED_REGIONS_REPLAYED: _with_kernels("compiled", synchronized, replay=True),
+            "syncbn_dist": synchronized,
         }
         if self.device.type == "cuda":
             from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNormFunction
@@ -208,24 +159,17 @@ def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str,
                 medians = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
                 ops, bytes_per_element = {}, {}
                 for name, fn in fns.items():
-                    if name in _UNCOUNTED:
-                        continue
                     op_counter, byte_counter = count_layer(fn, case.x, case.dy, [case.weight, case.bias])
                     ops[name] = op_counter.total
                     bytes_per_element[name] = round(byte_counter.total / case.x.numel(), 2)
                 bytes_per_element[TORCH_SYNCBN_MODEL] = TORCH_SYNCBN_CUDA_ACCESSES_PER_ELEMENT * case.x.element_size()
                 ratio = medians["syncbn_dist"] / medians["F.batch_norm"]
-                if micro["kernel_bytes"]:
-                    compiled_bytes = compiled_bytes_per_element(case.x)
-                    bytes_per_element[COMPILED] = compiled_bytes.activation
-                    bytes_per_element[COMPILED_WITH_PER_CHANNEL] = compiled_bytes.total
                 entry = {
                     "shape": list(shape),
                     "dtype": dtype_name,
                     "memory_format": memory_format,
                     "median_ms": {name: 1e3 * m for name, m in medians.items()},
                     "ratio": ratio,
-                    "compiled_ratio": medians[COMPILED] / medians[F_BATCH_NORM_WITH_COLLECTIVES],
                     "ops": ops,
                     "bytes_per_element": bytes_per_element,
                     "errors": errors,
@@ -240,7 +184,6 @@ def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str,
             "case": {k: entry[k] for k in ("shape", "dtype", "memory_format")},
             "ops": {name: _top_ops(case, fn, 5, micro["profile_top"]) for name, fn in fns.items()},
         }
-    syncbn_dist.set_kernels("native")
     return {
         "backend": dist.get_backend(),
         "device": "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device),
@@ -249,64 +192,3 @@ def micro_worker(rank: int, world_size: int, micro: dict[str, Any]) -> dict[str,
         "profile": profiles,
     }
 
-
-class CompiledBytes(NamedTuple):
-    """Bytes per activation element that inductor counts for one layer's compiled forward + backward kernels."""
-
-    activation: float  # accesses of buffers the activation's size (x, y, dy, dx): K3's figure
-    total: float  # with the per-channel tensors (statistics, coefficients, row sums): metrics.num_bytes_accessed
-
-
-@contextlib.contextmanager
-def _bytes_by_buffer_numel() -> Iterator[collections.Counter[int]]:
-    """Inductor's byte count of every graph compiled inside, split by the numel of the buffer accessed.
-
-    Inductor sums, per kernel, each buffer's accessed bytes (``get_read_write_buffer_accesses``) into
-    ``metrics.num_bytes_accessed`` (``GraphLowering.count_bytes``); this records the same per-buffer figures with the
-    buffer's element count, so that activation passes and per-channel tensors can be told apart.
-    """
-    from torch._inductor.graph import GraphLowering
-
-    original = GraphLowering.count_bytes
-    by_numel: collections.Counter[int] = collections.Counter()
-
-    def counting(graph: GraphLowering) -> Any:
-        for node in graph.scheduler.nodes:
-            for name, accessed in node.get_read_write_buffer_accesses(include_reads=True, include_writes=True).items():
-                buffer = graph.name_to_buffer.get(name) or graph.graph_inputs[name]
-                by_numel[graph.sizevars.optimization_hint(buffer.get_numel(), fallback=0)] += accessed
-        return original(graph)
-
-    with mock.patch.object(GraphLowering, "count_bytes", counting):
-        yield by_numel
-
-
-def compiled_bytes_per_element(x: Tensor) -> CompiledBytes:
-    """Bytes the compiled kernels of one layer's forward + backward access per element of ``x`` (inductor's
-    ``torch._inductor.metrics.num_bytes_accessed``, from a fresh compilation of both regions: new kernel objects,
-    the FX graph and AOT autograd caches off); no collective in the regions, which changes no kernel. The
-    activation figure counts accesses of buffers with ``x.numel()`` elements only, as
-    :data:`TORCH_SYNCBN_CUDA_ACCESSES_PER_ELEMENT` counts torch.nn.SyncBatchNorm's."""
-    from torch._inductor import config, metrics
-
-    forward = kernels._CompiledKernel(kernels.forward_region)
-    backward = kernels._CompiledKernel(kernels.backward_region)
-    x3 = kernels._as_3d(x.detach())
-    weight = torch.ones(x.size(1), dtype=kernels._stat_dtype(x), device=x.device)
-    torch._logging.set_logs(inductor_metrics=True)  # inductor counts bytes only while this log is on
-    try:
-        with (
-            config.patch(fx_graph_cache=False),
-            torch._functorch.config.patch(enable_autograd_cache=False),
-            _bytes_by_buffer_numel() as by_numel,
-        ):
-            metrics.reset()
-            _, mean, _, var, count, *_ = forward(x3, weight, weight * 0, _EPS, False, None)
-            ones = kernels.channel_ones(x3)
-            backward(torch.ones_like(x3), x3, weight, mean, var, count, ones, _EPS, False, None, True)
-            accessed = metrics.num_bytes_accessed
-    finally:
-        torch._logging.set_logs()
-    if sum(by_numel.values()) != accessed:
-        raise RuntimeError(f"inductor's byte count {accessed} is not the sum of its buffers' {dict(by_numel)}")
-    return CompiledBytes(round(by_numel[x.numel()] / x.numel(), 2), round(accessed / x.numel(), 2))

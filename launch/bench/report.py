@@ -58,40 +58,6 @@ def shown_command(command: str) -> str:
     return " ".join(word for word in command.split(" ") if not word.startswith("output_dir="))
 
 
-def _time_breakdown(cases: list[dict[str, Any]]) -> list[str]:
-    """Where the compiled layer's time goes, beside where the baseline's goes (ms, medians of the same rounds)."""
-    parts = ("syncbn_dist compiled", "syncbn_dist compiled, no collective", "syncbn_dist compiled, regions replayed")
-    rows = []
-    for c in cases:
-        ms = c["median_ms"]
-        if not all(name in ms for name in (*parts, "F.batch_norm", "F.batch_norm + collectives")):
-            continue
-        compiled, no_collective, replayed = (ms[name] for name in parts)
-        rows.append(
-            [str(tuple(c["shape"])), c["dtype"], c["memory_format"], fmt(compiled), fmt(replayed),
-             fmt(no_collective - replayed), fmt(compiled - no_collective), fmt(ms["F.batch_norm + collectives"]),
-             fmt(ms["F.batch_norm"]), fmt(ms["F.batch_norm + collectives"] - ms["F.batch_norm"])]
-        )
-    if not rows:
-        return []
-    return [
-        "",
-        "Where the time goes (ms). Compiled = host work around the regions (both regions replaced by their first "
-        "results: the autograd Function, the running statistics, the engine) + the two regions without their "
-        "collectives (kernels and the per-call cost of Dynamo's guards, AOTAutograd's wrappers and inductor's "
-        "Python launcher: the layer compiled for a group of one) + the collectives. With no collective between "
-        "them inductor also fuses the statistics with the normalization, so the last column includes the pass "
-        "over the activation that the split costs where it is out of cache. Baseline = F.batch_norm + its two "
-        "collectives (dist.all_reduce in an autograd Function).",
-        "",
-        *_table(
-            ["shape", "dtype", "format", "compiled", "host work", "regions", "collectives (and the split)",
-             "baseline", "F.batch_norm", "its collectives"],
-            rows,
-        ),
-    ]
-
-
 def _ratio(medians: dict[str, float], numerator: str, denominator: str) -> Optional[float]:
     """``medians[numerator] / medians[denominator]``, None where either variant did not run."""
     if numerator not in medians or denominator not in medians:
@@ -141,30 +107,20 @@ def readme_tables(summary: dict[str, Any]) -> str:
     if not cases:
         out += ["Not measured (the one-layer benchmark did not run)."]
     else:
-        names = {"syncbn_dist compiled": "syncbn_dist, compiled kernels", "syncbn_dist": "syncbn_dist, native kernels"}
-        ours = [name for name in names if any(name in c["median_ms"] for c in cases)]
         rows = [
-            [_layer_name(c), fmt(c["median_ms"].get("F.batch_norm"), ".2f"), fmt(c["median_ms"][_BASELINE], ".2f")]
-            + [_times(c["median_ms"].get(name), c["median_ms"][_BASELINE]) for name in ours]
+            [_layer_name(c), fmt(c["median_ms"].get("F.batch_norm"), ".2f"), fmt(c["median_ms"][_BASELINE], ".2f"),
+             _times(c["median_ms"].get("syncbn_dist"), c["median_ms"][_BASELINE])]
             for c in cases
         ]
-        header = ["layer input", "plain BatchNorm", "plain BatchNorm + the same all_reduces"]
-        out += _table(header + [names[name] for name in ours], rows)
-        verdicts = []
-        for name in ours:
-            slower = [
-                f"{_layer_name(c)} ({c['median_ms'][name] / c['median_ms'][_BASELINE]:.2f}×)"
-                for c in cases
-                if name in c["median_ms"] and c["median_ms"][name] > c["median_ms"][_BASELINE]
-            ]
-            words = names[name].removeprefix("syncbn_dist, ")
-            if len(slower) == len(cases):
-                verdicts.append(f"with the {words} in every case")
-            elif slower:
-                verdicts.append(f"with the {words} at " + ", ".join(slower))
-        if verdicts:
-            out += ["", "Where syncbn_dist is slower than plain BatchNorm plus the same all_reduces: "
-                    + "; ".join(verdicts) + "."]
+        out += _table(["layer input", "plain BatchNorm", "plain BatchNorm + the same all_reduces", "syncbn_dist"], rows)
+        slower = [
+            f"{_layer_name(c)} ({c['median_ms']['syncbn_dist'] / c['median_ms'][_BASELINE]:.2f}×)"
+            for c in cases
+            if "syncbn_dist" in c["median_ms"] and c["median_ms"]["syncbn_dist"] > c["median_ms"][_BASELINE]
+        ]
+        if slower:
+            where = "in every case" if len(slower) == len(cases) else "at " + ", ".join(slower)
+            out += ["", f"syncbn_dist is slower than plain BatchNorm plus the same all_reduces {where}."]
     steps = [
         (run["world_size"], run["variants"])
         for scenario in summary["scenarios"].values()
@@ -188,7 +144,6 @@ def readme_tables(summary: dict[str, Any]) -> str:
 # The ResNet-50 step's rows in the README: (how it runs, plain's variant, syncbn_dist's variant, torch's or None).
 _STEP_ROWS = (
     ("eager, native kernels", "plain", "syncbn_dist_native", "torch_function"),
-    ("eager, compiled kernels", "plain", "syncbn_dist_compiled", "torch_function"),
     ("torch.compile", "plain_compile", "syncbn_dist_compile", None),
     ('torch.compile "reduce-overhead" (CUDA graphs)', "plain_reduce_overhead", "syncbn_dist_reduce_overhead", None),
 )
@@ -237,24 +192,20 @@ def readme_gpu_section(layer: Optional[dict[str, Any]], step: Optional[dict[str,
     cases = [c for c in ((layer or {}).get("micro") or {}).get("cases", []) if _BASELINE in c["median_ms"]]
     if cases:
         machine = layer["machine"]
-        parts = []
-        for name, words in (("syncbn_dist", "native"), ("syncbn_dist compiled", "compiled")):
-            over_base = [c["median_ms"][name] / c["median_ms"][_BASELINE] for c in cases if name in c["median_ms"]]
-            over_torch = [
-                c["median_ms"][name] / c["median_ms"][TORCH_FUNCTION]
-                for c in cases
-                if name in c["median_ms"] and TORCH_FUNCTION in c["median_ms"]
-            ]
-            if over_base:
-                parts.append(
-                    f"syncbn_dist's {words} kernels take {_span(over_base)} plain BatchNorm plus the same all_reduces"
-                    + (f" and {_span(over_torch)} torch.nn.SyncBatchNorm's function" if over_torch else "")
-                )
+        over_base = [c["median_ms"]["syncbn_dist"] / c["median_ms"][_BASELINE] for c in cases]
+        over_torch = [
+            c["median_ms"]["syncbn_dist"] / c["median_ms"][TORCH_FUNCTION]
+            for c in cases
+            if TORCH_FUNCTION in c["median_ms"]
+        ]
         out += [
             "",
             f"One BatchNorm layer, forward + backward, on one {', '.join(machine['cuda_devices'])} with torch "
             f"{machine['torch']} ([docs/performance_cuda.md](docs/performance_cuda.md), "
-            f"{_count(len(cases), 'case')} of shape, dtype and layout): " + "; ".join(parts) + ".",
+            f"{_count(len(cases), 'case')} of shape, dtype and layout): syncbn_dist takes {_span(over_base)} plain "
+            "BatchNorm plus the same all_reduces"
+            + (f" and {_span(over_torch)} torch.nn.SyncBatchNorm's function" if over_torch else "")
+            + ".",
         ]
     return "\n".join(out) + "\n"
 
@@ -493,10 +444,7 @@ def markdown(summary: dict[str, Any]) -> str:
             "and bias); a kernel's internal passes are not seen (CPU native_batch_norm reads x twice). The torch "
             "SyncBatchNorm CUDA column is a model, not a measurement: its four kernels touch each element 8 times "
             "(launch/bench/micro.py). F.batch_norm + collectives: F.batch_norm plus syncbn_dist's two collectives "
-            "(dummy payloads), the baseline of K1. syncbn_dist runs the native kernels, syncbn_dist compiled the "
-            "compiled ones (syncbn_dist.kernels); the op counter cannot see inside a compiled graph, and the "
-            "compiled column's B/elem is inductor's num_bytes_accessed of its kernels in a fresh compilation: "
-            "accesses of activation-sized buffers, then with the per-channel tensors.",
+            "(dummy payloads), the floor of any synchronized BatchNorm.",
         ]
         if micro.get("glibc_tunables"):
             out += [
@@ -505,38 +453,24 @@ def markdown(summary: dict[str, Any]) -> str:
                 "variant's outputs are refilled by page faults: with glibc's defaults the freed top of the heap goes "
                 "back to the OS on some calls and not others, which swung F.batch_norm's time up to 2x between runs.",
             ]
-        torch_fn = TORCH_FUNCTION
-        beside_torch = any(torch_fn in c["median_ms"] for c in micro["cases"])
+        beside_torch = any(TORCH_FUNCTION in c["median_ms"] for c in micro["cases"])
         rows = [
-            [str(tuple(c["shape"])), c["dtype"], c["memory_format"], fmt(c.get("compiled_ratio"), ".2f"),
-             fmt(_ratio(c["median_ms"], "syncbn_dist", "F.batch_norm + collectives"), ".2f")]
-            + ([fmt(_ratio(c["median_ms"], "syncbn_dist compiled", torch_fn), ".2f")] if beside_torch else [])
-            for c in micro["cases"] if "F.batch_norm + collectives" in c["median_ms"]
+            [str(tuple(c["shape"])), c["dtype"], c["memory_format"],
+             fmt(_ratio(c["median_ms"], "syncbn_dist", _BASELINE), ".2f")]
+            + ([fmt(_ratio(c["median_ms"], "syncbn_dist", TORCH_FUNCTION), ".2f")] if beside_torch else [])
+            for c in micro["cases"] if _BASELINE in c["median_ms"]
         ]
-        out += ["", "### Compiled kernels against F.batch_norm + the same collectives (K1)", ""]
+        out += ["", "### syncbn_dist against F.batch_norm + the same collectives", ""]
         out += _table(
-            ["shape", "dtype", "format", "compiled / baseline", "native / baseline"]
-            + (["compiled / torch SyncBatchNorm fn"] if beside_torch else []),
+            ["shape", "dtype", "format", "syncbn_dist / (F.batch_norm + collectives)"]
+            + (["syncbn_dist / torch SyncBatchNorm fn"] if beside_torch else []),
             rows,
         )
-        out += _time_breakdown(micro["cases"])
         if micro["device"] == "cpu":
             out += [
                 "",
-                "On CUDA the compiled kernels are the same source, compiled to Triton. `make bench-gpu` runs this "
-                "benchmark there with `device=cuda`, beside torch.nn.SyncBatchNorm's CUDA kernels, into "
-                "docs/performance_cuda.md; what has run on a GPU, and when: docs/gpu.md.",
-            ]
-        cost = micro.get("compile_cost")
-        if cost:
-            out += [
-                "",
-                f"Compile cost (launch/bench/compile_cost.py; one layer {tuple(cost['shape'])} {cost['dtype']} on "
-                f"{cost.get('device', 'cpu')}, "
-                "forward+backward, a new process each): empty inductor cache: first call "
-                f"{cost['cold']['first_call_s']} s; cache left by that process: first call "
-                f"{cost['warm']['first_call_s']} s; then {cost['warm']['second_call_ms']} ms; graphs compiled per "
-                f"process: {cost['warm']['graphs']} (Dynamo frames {cost['warm']['dynamo_frames']}).",
+                "`make bench-gpu` runs this benchmark on CUDA with `device=cuda`, beside torch.nn.SyncBatchNorm's CUDA "
+                "kernels, into docs/performance_cuda.md; what has run on a GPU, and when: docs/gpu.md.",
             ]
     return "\n".join(out) + "\n"
 

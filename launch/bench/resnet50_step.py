@@ -16,9 +16,8 @@ member, as on several GPUs:
 - ``torch_function``: ``torch.nn.modules._functions.SyncBatchNorm`` (what ``nn.SyncBatchNorm`` runs on several
   GPUs) with ``world_size=1``; CUDA only, its kernels refuse CPU tensors;
 - ``naive``: :class:`launch.bench.models.NaiveSyncBatchNorm2d`, a differentiable all_reduce of E[x], E[x^2];
-- ``syncbn_dist_native``, ``syncbn_dist_compiled``: :func:`syncbn_dist.convert_model` with each layer's transport
-  a :class:`syncbn_dist.comm.DistributedTransport` on the group (:func:`force_sync`), eager, with
-  ``syncbn_dist.set_kernels("native")`` or ``("compiled")``;
+- ``syncbn_dist_native``: :func:`syncbn_dist.convert_model` with each layer's transport a
+  :class:`syncbn_dist.comm.DistributedTransport` on the group (:func:`force_sync`), eager;
 - ``plain_compile``, ``syncbn_dist_compile``: ``torch.compile(model)`` of ``plain`` and of ``syncbn_dist_native``'s
   model (``mode="default"``); ``plain_reduce_overhead``, ``syncbn_dist_reduce_overhead``: the same with
   ``mode="reduce-overhead"`` (CUDA graphs; CUDA only, inductor only).
@@ -32,12 +31,10 @@ e.g. ``c10d::allreduce_``: an eager ``torch.distributed`` call, a functional col
 collective each dispatch one; not counted inside a replayed CUDA graph) and, on cuda, the CUDA kernels one step
 runs (the profiler's device events, copies and fills left out; not counted in a replayed CUDA graph either) and the
 device time of the step (every device event's duration summed, CUDA graphs included: the cost once the host is
-hidden); then, in eager
-rows whose ops a dispatch mode sees, the aten ops one step dispatches (:class:`launch.common.counting.OpCounter`;
-not ``syncbn_dist_compiled``, whose layers run the native ops under a dispatch mode, nor torch.compile rows, which
-Dynamo would leave eager for good). Then ``rounds`` interleaved rounds run ``steps`` steps of every row each, the
-first row rotating (launch/bench/step.py's rounds), each step timed alone: CUDA events on cuda, ``perf_counter`` on
-cpu. A row's time is the median over its ``rounds * steps`` steps, in ms.
+hidden); then, in eager rows, the aten ops one step dispatches (:class:`launch.common.counting.OpCounter`; not
+torch.compile rows, which Dynamo would leave eager for good). Then ``rounds`` interleaved rounds run ``steps`` steps
+of every row each, the first row rotating (launch/bench/step.py's rounds), each step timed alone: CUDA events on
+cuda, ``perf_counter`` on cpu. A row's time is the median over its ``rounds * steps`` steps, in ms.
 
 It prints one markdown table (ms per step, ratio to ``plain`` in the same dtype and mode, aten ops, collectives,
 CUDA kernels and device ms per step), the skipped rows with the reason, and issue 34's targets: G1 syncbn_dist
@@ -79,7 +76,7 @@ from launch.common.io import write_text
 from syncbn_dist.comm import DistributedTransport
 from syncbn_dist.layer.batchnorm import SyncBatchNorm
 
-EAGER_VARIANTS = ("plain", "torch_function", "naive", "syncbn_dist_native", "syncbn_dist_compiled")
+EAGER_VARIANTS = ("plain", "torch_function", "naive", "syncbn_dist_native")
 # torch.compile variant -> (the eager variant whose model it compiles, torch.compile's mode).
 COMPILED_VARIANTS = {
     "plain_compile": ("plain", "default"),
@@ -99,19 +96,15 @@ LABELS = {
     "torch_function": "torch.nn.SyncBatchNorm's function",
     "naive": "naive (all_reduce of E[x], E[x²])",
     "syncbn_dist_native": "syncbn_dist, native kernels",
-    "syncbn_dist_compiled": "syncbn_dist, compiled kernels",
     "plain_compile": "plain, torch.compile",
     "syncbn_dist_compile": "syncbn_dist, torch.compile",
     "plain_reduce_overhead": 'plain, torch.compile "reduce-overhead"',
     "syncbn_dist_reduce_overhead": 'syncbn_dist, torch.compile "reduce-overhead"',
 }
-# The kernel set each syncbn_dist variant sets before its steps (under torch.compile the switch has no effect).
-KERNELS = {"syncbn_dist_native": "native", "syncbn_dist_compiled": "compiled"}
 STEP_DTYPES = ("bfloat16", "float32")
 # Issue 34's targets: (id, what, numerator variant, denominator variant, bound on the ratio of their medians).
 TARGETS = (
     ("G1", "syncbn_dist eager / torch's function eager", "syncbn_dist_native", "torch_function", 0.9),
-    ("G1", "syncbn_dist eager / torch's function eager", "syncbn_dist_compiled", "torch_function", 0.9),
     ("G2", 'syncbn_dist / plain, torch.compile mode="default"', "syncbn_dist_compile", "plain_compile", 1.15),
     ("G3", 'syncbn_dist / plain, mode="reduce-overhead"', "syncbn_dist_reduce_overhead", "plain_reduce_overhead", 1.10),
 )
@@ -242,14 +235,11 @@ def build_variant(eager_variant: str, base: nn.Module) -> nn.Module:
             if isinstance(module, NaiveSyncBatchNorm2d):
                 module.sync_alone = True
         return model
-    if eager_variant in KERNELS:
+    if eager_variant == "syncbn_dist_native":
         return force_sync(syncbn_dist.convert_model(model))
     raise ValueError(f"expected a variant in {EAGER_VARIANTS} (got {eager_variant!r})")
 
 
-# Rows whose aten ops OpCounter sees as they run when timed (syncbn_dist_compiled's layers take the native ops under
-# a dispatch mode; a torch.compile frame met under one would stay eager for good).
-_OPS_COUNTED = ("plain", "torch_function", "naive", "syncbn_dist_native")
 # A row's counts, each None where not counted (:func:`_profiled_counts`, :class:`OpCounter`).
 COUNTS = ("aten_ops", "collectives", "cuda_kernels", "device_ms")
 
@@ -266,7 +256,6 @@ class _Row:
         if mode is not None:
             compile_mode = mode if cfg.compile_backend == "inductor" else None  # other backends take no mode
             self.forward = torch.compile(self.model, backend=cfg.compile_backend, mode=compile_mode)
-        self.kernels = KERNELS.get(eager)
         self.x, self.y = x, y
         self.times_ms: list[float] = []
         self.measured: dict[str, Any] = {}
@@ -276,8 +265,6 @@ class _Row:
 
         Returns the (batch_size, num_classes) logits and the loss, not synchronized with the device.
         """
-        if self.kernels is not None:
-            syncbn_dist.set_kernels(self.kernels)
         if self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs may be overwritten now
         self.optimizer.zero_grad(set_to_none=True)
@@ -385,7 +372,6 @@ def measure(cfg: ResNet50StepConfig) -> dict[str, Any]:
         if variant not in skipped
         for dtype in (cfg.compile_dtypes if variant in COMPILED_VARIANTS else cfg.dtypes)
     ]
-    kernels_before = syncbn_dist.get_kernels()
     # Each torch.compile row is a new model instance under the same code (ResNet50.forward): one cache entry each.
     with torch._dynamo.config.patch(cache_size_limit=max(8, 2 * len(rows))):
         for row in rows:
@@ -393,7 +379,7 @@ def measure(cfg: ResNet50StepConfig) -> dict[str, Any]:
             _check_and_warm_up(row, cfg.warmup, device)
         for row in rows:
             row.measured.update(_profiled_counts(row, device))
-            if row.variant in _OPS_COUNTED:
+            if row.variant in EAGER_VARIANTS:  # a torch.compile frame met under a dispatch mode stays eager for good
                 with OpCounter() as ops:
                     row.step()
                 row.measured["aten_ops"] = ops.total
@@ -401,7 +387,6 @@ def measure(cfg: ResNet50StepConfig) -> dict[str, Any]:
             shift = index % max(len(rows), 1)
             for row in rows[shift:] + rows[:shift]:  # every row once per round, the first one rotating
                 row.times_ms += _timed_steps(row, cfg.steps, device)
-    syncbn_dist.set_kernels(kernels_before)
 
     plain = {row.dtype: row for row in rows if row.variant == "plain"}
     medians = {(row.variant, row.dtype): statistics.median(row.times_ms) for row in rows}

@@ -32,7 +32,6 @@ from unittest import mock
 
 import torch
 
-from launch.bench import compile_cost
 from launch.bench.backend import pick_backend
 from launch.bench.config import (
     README_SECTION,
@@ -127,9 +126,6 @@ def run(cfg: BenchConfig, scenarios: list[ScenarioConfig], command: str) -> dict
                 threads=cfg.micro.threads,
             )[0]
         micro["glibc_tunables"] = cfg.micro.glibc_tunables
-        if cfg.micro.compile_cost:
-            print("[bench] compiled kernels' compile cost ...", flush=True)
-            micro["compile_cost"] = compile_cost.measure("cuda" if micro_backend == "nccl" else "cpu")
     if hasattr(os, "getloadavg"):
         machine["loadavg_end"] = list(os.getloadavg())
     machine["bench_seconds"] = round(time.perf_counter() - started, 1)

@@ -273,15 +273,11 @@ def step_worker(rank: int, world_size: int, scenario: dict[str, Any]) -> dict[st
             compile_seconds[name] = time.perf_counter() - warm
             graph_breaks[name] = sum(torch._dynamo.utils.counters["graph_break"].values())
 
-    # Counted on the native kernels, the suite's default: both kernel sets send the same payloads.
     collectives: dict[str, list[dict[str, Any]]] = {}
-    mode = syncbn_dist.get_kernels()
-    syncbn_dist.set_kernels("native")
     for name, runner in runners.items():
         with CollectiveCounter() as counter:
             runner.step(counter)
         collectives[name] = counter.calls
-    syncbn_dist.set_kernels(mode)
     # Not the compiled variants: a frame Dynamo meets under a TorchDispatchMode (the counter) is skipped from then on,
     # so one counted step would leave the model's forward eager, under Dynamo's callback, for every timed round.
     ops: dict[str, Optional[int]] = {}

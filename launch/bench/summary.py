@@ -16,13 +16,7 @@ Targets (from the benchmark issues; reported, never asserted by tests):
 - P8: single-layer forward+backward of the sync path moves at most the bytes per activation element of
   torch.nn.SyncBatchNorm's CUDA kernel sequence (32 for float32), at every shape, dtype and layout of the
   microbenchmark (bytes at the op interface, :class:`launch.common.counting.BytesCounter`).
-- K1: one layer forward+backward on the compiled kernels (:mod:`syncbn_dist.kernels`) <= 1.0 x ``F.batch_norm``
-  plus the same two collectives at (32, 64, 28, 28) float32 in both layouts and (8, 256, 14, 14) float32 and
-  bfloat16, <= 1.25 x at (256, 512).
-- K2: P1 on the compute scenario <= 1.0, with the layer's default kernels.
-- K3: the compiled kernels of one layer's forward+backward access <= 32 B per float32 element, 16 per bfloat16
-  (inductor's ``num_bytes_accessed``, fresh compilation, of the activation-sized buffers: the per-channel tensors
-  are reported beside it, as the CUDA model leaves them out).
+- K2: P1 on the compute scenario <= 1.0.
 """
 
 from __future__ import annotations
@@ -39,16 +33,7 @@ P3_BOUND = 1.05
 P5_BOUND = 1.02  # (b) on DDP's group / (b') on a dedicated group; above this the dedicated group wins
 P6_BOUND = 1.5
 P7_BOUND = 1.0
-# K1's cases (shape, dtype, memory format) and bounds; K3's bytes per element by dtype.
-K1_BOUNDS = {
-    ((32, 64, 28, 28), "float32", "contiguous"): 1.0,
-    ((32, 64, 28, 28), "float32", "channels_last"): 1.0,
-    ((8, 256, 14, 14), "float32", "contiguous"): 1.0,
-    ((8, 256, 14, 14), "bfloat16", "contiguous"): 1.0,
-    ((256, 512), "float32", "contiguous"): 1.25,
-}
 K2_BOUND = 1.0
-K3_BOUNDS = {"float32": 32.0, "bfloat16": 16.0}
 _ALL_GATHER_OPS = ("all_gather", "all_gather_into_tensor", "all_to_all")
 # The variants whose collectives must be syncbn_dist's design (the floor sends the same ones, dummy payloads).
 _SYNCBN_VARIANTS = ("syncbn_dist", "syncbn_dist_dedicated", "floor", "syncbn_dist_compiled", "floor_compiled")
@@ -377,70 +362,17 @@ def _targets(scenarios: dict[str, Any], micro: Optional[dict[str, Any]], compute
         )
     )
 
-    targets += _kernel_targets(micro, compute_p1, where)
-    return targets
-
-
-def _kernel_targets(
-    micro: Optional[dict[str, Any]], compute_ratio: Optional[float], where: str
-) -> list[dict[str, Any]]:
-    """K1-K3, the compiled kernels' targets."""
-    cases = micro["cases"] if micro else []
-    judged = [(c, K1_BOUNDS[key]) for c in cases if (key := _case_key(c)) in K1_BOUNDS and "compiled_ratio" in c]
-    worst, detail = None, "not measured"
-    if judged:
-        case, bound = max(judged, key=lambda item: item[0]["compiled_ratio"] / item[1])
-        worst = case["compiled_ratio"] / bound
-        detail = "; ".join(f"{_case_name(c)}: {c['compiled_ratio']:.2f} (bound {b:g})" for c, b in judged)
-    targets = [
-        _target(
-            "K1",
-            "compiled kernels fwd+bwd / (F.batch_norm + the same collectives), over its bound "
-            "(1.0; 1.25 at (256, 512))",
-            worst,
-            1.0,
-            _le(worst, 1.0),
-            detail,
-        ),
-        _target(
-            "K2",
-            "P1 with the default kernels <= 1.0 (compute-heavy step against the in-step floor)",
-            compute_ratio,
-            K2_BOUND,
-            _le(compute_ratio, K2_BOUND),
-            where,
-        ),
-    ]
-    measured = [c for c in cases if "syncbn_dist compiled" in c.get("bytes_per_element", {})]
-    worst, detail = None, "not measured"
-    if measured:
-        over = [(c["bytes_per_element"]["syncbn_dist compiled"] / K3_BOUNDS.get(c["dtype"], 32.0), c) for c in measured]
-        worst = max(value for value, _ in over)
-        detail = "; ".join(
-            f"{_case_name(c)}: {c['bytes_per_element']['syncbn_dist compiled']:g} B/elem "
-            f"({c['bytes_per_element'].get('syncbn_dist compiled, with per-channel', float('nan')):g} with per-channel)"
-            for _, c in over
-        )
     targets.append(
         _target(
-            "K3",
-            "compiled kernels' activation bytes/elem (inductor, fresh compile) over 32 (float32) / 16 (bfloat16)",
-            worst,
-            1.0,
-            _le(worst, 1.0),
-            detail,
+            "K2",
+            "P1 <= 1.0 (compute-heavy step against the in-step floor)",
+            compute_p1,
+            K2_BOUND,
+            _le(compute_p1, K2_BOUND),
+            where,
         )
     )
     return targets
-
-
-def _case_key(case: dict[str, Any]) -> tuple[tuple[int, ...], str, str]:
-    return tuple(case["shape"]), case["dtype"], case["memory_format"]
-
-
-def _case_name(case: dict[str, Any]) -> str:
-    shape, dtype, memory_format = _case_key(case)
-    return f"{shape} {dtype} {memory_format}"
 
 
 def _model_bytes(case: dict[str, Any]) -> float:
