@@ -100,6 +100,6 @@ def main(out_dir: str, sync: str = "plugin") -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:2], *sys.argv[3:4])
-    # The Trainer, DDP and the compiled kernels' caches end in reference cycles: collect them while the interpreter is
+    # The Trainer and DDP end in reference cycles: collect them while the interpreter is
     # alive, before Lightning's atexit destroys the group (docs/compile.md, "Exiting a compiled job").
     gc.collect()

@@ -206,7 +206,7 @@ class CollectiveCounter:
     for the default group or "other". Wrapping is observation only: the real collective runs unchanged.
     A process group's own ``allreduce`` called from Python (syncbn_dist's eager layers: ``group.allreduce``) is
     recorded as ``all_reduce`` too, once (``dist.all_reduce`` calls it inside). torch's functional ``all_reduce``
-    (the collective of compiled graphs: syncbn_dist's layers under ``torch.compile`` and its compiled kernels) has
+    (the collective of compiled graphs: syncbn_dist's layers under ``torch.compile``) has
     no Python to wrap: a profiler running while the counter is active records those, with the phase whose
     ``record_function`` range encloses them and the group ``"in-graph"`` (the profiler does not record the group
     name). Code that bound a collective by name at import time (``from torch.distributed import all_reduce``) or

@@ -18,8 +18,8 @@ What a job may leave in a rank that a fresh process would not have is put back a
 - warnings filters, signal handlers, the working directory and ``sys.path``;
 - syncbn_dist's state: every change to torch's classes undone (syncbn_dist.torch_changes), then every module's
   globals, the contents of the containers among them and the attributes of its module-level objects and classes
-  as they were when the rank started (kernel mode, debug mode, eps mode, compiled kernels, agreement records,
-  registries), its ``functools`` caches cleared.
+  as they were when the rank started (debug mode, eps mode, agreement records, registries), its ``functools``
+  caches cleared.
 
 Not put back: the globals of the test modules a worker comes from (workers keep no state there), and what torch
 caches by content (inductor's compiled kernels in memory and on disk, as any process on the machine shares them).
