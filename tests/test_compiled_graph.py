@@ -2,9 +2,9 @@
 
 The counts that stand in for GPU timings on a machine without one (issue 34's C rows), all deterministic:
 
-- C2: the forward and backward graphs of a training step hold no aten batch-norm op (every device: the regions the
-  layer traces, :func:`syncbn_dist.kernels.forward_region` and ``backward_region``, are traced here for CUDA inputs
-  too, with fake tensors), and exactly one functional ``all_reduce`` per layer and direction.
+- C2: the forward and backward graphs of a training step hold no aten batch-norm op (every device: the functions the
+  layer traces, :func:`syncbn_dist.kernels.compiled.layer_forward` and ``layer_backward``, are traced here for CUDA
+  inputs too, with fake tensors), and exactly one functional ``all_reduce`` per layer and direction.
 - C1: inductor's generated kernels for a compiled converted ResNet's training step, at most plain BatchNorm's plus 3
   per layer, and its bytes at most 1.05 x plain BatchNorm's; C4: in that generated C++, no pointwise loop over the
   activation computes in float64, divides or takes a root (the per-channel coefficients are stored once).
@@ -172,11 +172,11 @@ def test_user_graph_has_no_batch_norm_op_keeps_collectives_in_step_and_runs_no_p
 def test_regions_traced_for_cuda_inputs_hold_no_batch_norm_op_and_the_cpu_graph(
     dtype: torch.dtype, channels_last: bool
 ) -> None:
-    """C2 for CUDA: the regions a user's graph traces, traced for fake CUDA tensors on this
-    CPU-only build, hold no batch-norm op and exactly the ops they hold for CPU tensors (no device branch).
+    """C2 for CUDA: the functions a user's graph traces, traced for fake CUDA tensors on this CPU-only build, hold no
+    batch-norm op and exactly the ops they hold for CPU tensors (no device branch).
 
     The whole layer cannot be traced for fake CUDA tensors here: autograd's C++ Function node takes a CUDA device
-    guard, which a CPU build of torch lacks. The layer's Function calls exactly these regions under compile
+    guard, which a CPU build of torch lacks. The layer's Function calls exactly these functions under compile
     (``syncbn_dist.kernels.compiled.layer_forward``/``layer_backward``), on every device.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -191,9 +191,9 @@ def test_regions_traced_for_cuda_inputs_hold_no_batch_norm_op_and_the_cpu_graph(
         with FakeTensorMode():
             x, dy = (torch.empty_strided(shape, stride, dtype=dtype, device=device) for _ in range(2))
             weight, bias = torch.ones(C, device=device), torch.zeros(C, device=device)
-            forward = torch.compile(kernels.forward_region, backend=backend, fullgraph=True)
+            forward = torch.compile(kernels.layer_forward, backend=backend, fullgraph=True)
             _, mean, _, var, count = forward(x, weight, bias, _EPS, False, "0")
-            backward = torch.compile(kernels.backward_region, backend=backend, fullgraph=True)
+            backward = torch.compile(kernels.layer_backward, backend=backend, fullgraph=True)
             backward(dy, x, weight, mean, var, count, _EPS, False, "0", True)
         return [_node_targets(g) for g in graphs]
 

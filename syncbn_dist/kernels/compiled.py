@@ -1,10 +1,10 @@
 r"""The synchronized layer's per-element work as the one Python source a user's ``torch.compile`` traces.
 
-Four passes (:func:`shard_payload`, :func:`normalize`, :func:`grad_reductions`, :func:`grad_input`), one region per
-direction over a process group (:func:`forward_region`, :func:`backward_region`), entered from the layer's Function
-while Dynamo traces it (:func:`layer_forward`, :func:`layer_backward`); inductor fuses them into the user's graph as
-it fuses plain BatchNorm. Eager calls never come here: they run :mod:`syncbn_dist.kernels.native`. Design, exactness
-(Chan et al. 1979) and measurements: docs/design.md, "The traced path"; docs/compile.md.
+Four passes (:func:`shard_payload`, :func:`normalize`, :func:`grad_reductions`, :func:`grad_input`), one function per
+direction over a process group (:func:`layer_forward`, :func:`layer_backward`), entered from the layer's Function
+while Dynamo traces it; inductor fuses them into the user's graph as it fuses plain BatchNorm. Eager calls never come
+here: they run :mod:`syncbn_dist.kernels.native`. Design, exactness (Chan et al. 1979) and measurements:
+docs/design.md, "The traced path"; docs/compile.md.
 """
 
 from __future__ import annotations
@@ -164,75 +164,57 @@ def grad_input(
     return dx.to(x.dtype)
 
 
-def forward_region(
+def layer_forward(
     x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, clip: bool, group_name: Optional[str],
-    tag: Optional[Tensor] = None, verify: Optional[Callable[[Tensor], Tensor]] = None,
+    tag: Any = None,
 ) -> tuple[Tensor, ...]:
-    """One layer's training forward over a process group: payload, all_reduce, normalize. Returns :func:`normalize`'s
-    ``(y, mean, unbiased_var, var, count)``. ``verify`` checks the summed payload, tag included, inside the traced
-    graph (:func:`syncbn_dist.comm.tags.checked_in_graph`)."""
-    total = all_reduce_sum(shard_payload(x, tag), group_name)
+    """One layer's training forward over the process group ``group_name`` (None: a group of one), traced into a
+    user's graph: payload, all_reduce, normalize.
+
+    Returns :func:`normalize`'s ``(y, mean, unbiased_var, var, count)``: ``y`` in ``x``'s shape, dtype and memory
+    format. ``tag`` (the call's :class:`~syncbn_dist.comm.tags.CollectiveTag` or ``TracedTag``) ends the payload and
+    is checked in the graph (:func:`_traced_check`); None: a payload of 2C + 1 values, nothing checked.
+    """
+    tag_values, verify = _traced_check(tag, x, group_name)
+    total = all_reduce_sum(shard_payload(x, tag_values), group_name)
     if verify is not None:
         total = verify(total)
     return normalize(x, total, weight, bias, eps, clip)
 
 
-def backward_region(
+def layer_backward(
     dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, count: Tensor, eps: float, clip: bool,
-    group_name: Optional[str], need_input: bool, tag: Optional[Tensor] = None,
-    verify: Optional[Callable[[Tensor], Tensor]] = None,
+    group_name: Optional[str], need_input: bool, tag: Any = None,
 ) -> tuple[Optional[Tensor], ...]:
-    """One layer's backward over a process group: local reductions, all_reduce, grad_input. Returns ``(grad_input or
-    None, sum(dy * x_hat), sum(dy))``, the sums local (DDP averages the parameter gradients, as with
-    ``torch.nn.SyncBatchNorm``), in the statistics dtype. The payload has the forward's size (docs/design.md, "The
-    statistics"). ``verify``: as :func:`forward_region`'s."""
+    """The backward of :func:`layer_forward`, traced into a user's graph: local reductions, all_reduce, grad_input.
+
+    Returns ``(grad_input or None, sum(dy * x_hat), sum(dy))``, the (C,) sums local (DDP averages the parameter
+    gradients, as with ``torch.nn.SyncBatchNorm``), in the statistics dtype; ``dy`` in ``x``'s memory format. The
+    payload has the forward's size (docs/design.md, "The statistics"); ``tag`` as :func:`layer_forward`'s.
+    """
+    tag_values, verify = _traced_check(tag, x, group_name, backward=True)
     local = grad_reductions(dy, x, mean, var, eps)
     # In the statistics dtype here, right after the reductions, so that the compiler converts them there too.
     sum_dy, sum_dy_xhat = local.to(_stat_dtype(x)).chunk(2)
     # The collective runs whether or not grad_input is needed: every member sends the same collectives.
-    total = all_reduce_sum(local if tag is None else torch.cat([local, _with_lead(tag, 0.0)]), group_name)
+    payload = local if tag_values is None else torch.cat([local, _with_lead(tag_values, 0.0)])
+    total = all_reduce_sum(payload, group_name)
     if verify is not None:
         total = verify(total)
     dx = grad_input(dy, x, weight, mean, var, count, total, eps, clip) if need_input else None
     return dx, sum_dy_xhat, sum_dy
 
 
-def layer_forward(
-    input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, clip: bool,
-    group_name: Optional[str], tag: Any,
-) -> tuple[Tensor, ...]:
-    """The training forward over the process group ``group_name`` (None: a group of one), traced into a user's graph.
-
-    Returns ``(output, mean, unbiased_var, var, count)``: the output in the input's shape, dtype and memory format;
-    the statistics in the statistics dtype (``var`` the normalizing variance); the (1,) float64 global count. The
-    summed payload's tag is checked in the graph (``tag``: the call's :class:`~syncbn_dist.comm.tags.CollectiveTag`
-    or ``TracedTag``).
-    """
-    tag_values, verify = _traced_check(tag, input, group_name)
-    return forward_region(input, weight, bias, eps, clip, group_name, tag_values, verify)
-
-
 def _traced_check(
-    tag: Any, input: Tensor, group_name: Optional[str], backward: bool = False
-) -> tuple[Tensor, Optional[Callable[[Tensor], Tensor]]]:
-    """The tag's values as a constant of the traced graph, and what checks a summed payload there
-    (:func:`~syncbn_dist.comm.tags.checked_in_graph`; None without peers or for ``NO_TAG``)."""
+    tag: Any, x: Tensor, group_name: Optional[str], backward: bool = False
+) -> tuple[Optional[Tensor], Optional[Callable[[Tensor], Tensor]]]:
+    """The tag's values as a constant of the traced graph (None without ``tag``), and what checks a summed payload
+    there (:func:`~syncbn_dist.comm.tags.checked_in_graph`; None without peers or for ``NO_TAG``)."""
+    if tag is None:
+        return None, None
     # Padded to nine values: inductor inlines a constant of at most eight into the kernel's source, which would make
     # every layer's kernels distinct; a larger one is a buffer argument, so layers of one shape share their kernels.
-    values = torch.tensor((*tag.values, 0.0, 0.0, 0.0, 0.0), dtype=_F64, device=input.device)[:TAG_SIZE]
+    values = torch.tensor((*tag.values, 0.0, 0.0, 0.0, 0.0), dtype=_F64, device=x.device)[:TAG_SIZE]
     if tag.index < 0 or group_name is None:
         return values, None
     return values, functools.partial(checked_in_graph, tag=tag, group_name=group_name, backward=backward)
-
-
-def layer_backward(
-    grad_output: Tensor, input: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, count: Tensor,
-    eps: float, clip: bool, group_name: Optional[str], need_input: bool, tag: Any,
-) -> tuple[Optional[Tensor], ...]:
-    """The backward of :func:`layer_forward`, traced into a user's graph; ``grad_output`` in the input's memory
-    format. Returns ``(grad_input or None, sum(dy * x_hat), sum(dy))``, the (C,) local sums in the statistics
-    dtype."""
-    tag_values, verify = _traced_check(tag, input, group_name, backward=True)
-    return backward_region(
-        grad_output, input, weight, mean, var, count, eps, clip, group_name, need_input, tag_values, verify
-    )
