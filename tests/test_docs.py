@@ -176,7 +176,7 @@ def test_the_pictures_render_on_their_pages_and_the_search_index_holds_the_api(s
     index = json.loads((site / "search" / "search_index.json").read_text())
     locations = {doc["location"] for doc in index["docs"]}
     assert "api/conversion.html#syncbn_dist.convert_model" in locations
-    assert {"index.html", "join.html", "dataparallel.html", "converting.html", "changelog.html"} <= locations
+    assert {"index.html", "guides/ddp.html", "guides/join.html", "guides/export.html", "changelog.html"} <= locations
 
 
 def test_the_site_loads_nothing_from_outside(site: Path) -> None:
