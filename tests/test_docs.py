@@ -22,8 +22,10 @@ import socket
 from pathlib import Path
 
 import pytest
+from readme_blocks import MAX_COLUMNS, code_blocks
 
-from launch.docs import diagrams
+from launch.docs import diagrams, site_text
+from launch.docs.site_text import ALLOWED, path_text
 
 # Left out of make test-quick (docs/testing.md, "The quick tier"): the docs.
 pytestmark = pytest.mark.plumbing
@@ -34,6 +36,7 @@ PAGES = [
     ROOT / "CHANGELOG.md",
     *sorted((ROOT / "docs").glob("*.md")),
     *sorted((ROOT / "docs" / "api").glob("*.md")),
+    *sorted((ROOT / "docs" / "guides").glob("*.md")),
 ]
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
@@ -256,3 +259,60 @@ def test_the_diagrams_are_what_the_script_draws() -> None:
     # tag), empty shards under Join.
     assert step.count("2C+6 float64") == 4 and "zeros, count 0" in step
     assert "SyncMaster" in diagrams.transports_svg() and "SlavePipe" in diagrams.transports_svg()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a reader sees: paths that link, code that fits
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_no_repository_path_is_plain_text_in_the_sites_prose(site: Path) -> None:
+    """A page or docstring that names a repository file links to it (launch/docs/site_text.py says how)."""
+    found = path_text(site)
+    assert not found, "repository paths in prose, to link instead:\n" + "\n".join(
+        f"{hit.page} ({hit.owner or 'page text'}): {hit.path!r} in {hit.context!r}" for hit in found
+    )
+
+
+def test_each_path_text_allowance_is_still_needed(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An allowance whose text now links is dropped (ALLOWED, launch/docs/site_text.py)."""
+    monkeypatch.setattr(site_text, "ALLOWED", {})
+    found = site_text.path_text(site)
+    needed = {hit.owner for hit in found} | {hit.page for hit in found}
+    assert set(ALLOWED) <= needed, f"allowances no longer needed, to drop: {sorted(set(ALLOWED) - needed)}"
+
+
+def test_the_path_check_finds_a_plain_path_in_a_docstring_and_passes_a_link_or_code(tmp_path: Path) -> None:
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api" / "x.html").write_text(
+        '<article><h2 id="syncbn_dist.f">f</h2><p>See docs/design.md, "Transports", <a href="d.html">docs/design.md'
+        "</a>, <code>tests/test_comm.py</code>.</p></article><p>outside the article: docs/x.md</p>"
+    )
+    (found,) = path_text(tmp_path)
+    assert (found.page, found.owner, found.path) == ("api/x.html", "syncbn_dist.f", "docs/design.md")
+
+
+# Issue 58 rewrites docs/compile.md (its block at line 124 is 102 columns wide) and the README's "### Kernels" section
+# (tests/test_readme.py allows that one): drop these when they fit.
+WIDE_BLOCKS_ALLOWED = {("docs/compile.md", 124)}
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p != ROOT / "README.md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_code_block_fits_100_columns(page: Path) -> None:
+    """What the site shows whole at 1280 pixels (docs/stylesheets/extra.css); the README's and the guides' blocks are
+    held by tests/test_readme.py and tests/test_guides.py with their markers."""
+    name = str(page.relative_to(ROOT))
+    wide = [
+        f"{name} line {n}: {len(line)} columns"
+        for block in code_blocks(page.read_text())
+        if (name, block.line) not in WIDE_BLOCKS_ALLOWED
+        for n, line in enumerate(block.text.splitlines(), block.line + 1)
+        if len(line) > MAX_COLUMNS
+    ]
+    assert not wide, "\n".join(wide)
+
+
+def test_each_wide_block_allowance_is_still_needed() -> None:
+    for name, line in WIDE_BLOCKS_ALLOWED:
+        (block,) = [b for b in code_blocks((ROOT / name).read_text()) if b.line == line]
+        assert max(map(len, block.text.splitlines())) > MAX_COLUMNS, f"{name} line {line} fits now: drop its allowance"

@@ -10,7 +10,8 @@ It calls :func:`syncbn_dist.patch_torch_sync_batchnorm`, then runs the target as
 "__main__"``, ``sys.argv`` = ``[target, *ARGS]`` (the module's file for ``-m``), ``sys.path[0]`` the script's directory
 (the working directory for ``-m``); the target's exit status and exceptions pass through (``sys.exit(3)`` exits 3).
 Python processes it starts inherit the patch (Lightning's DDP launcher, ``torch.multiprocessing`` spawn) unless started
-with ``-E`` or ``-I`` (docs/frameworks.md, "How to undo it"). No target: exit status 2, usage on stderr.
+with ``-E`` or ``-I`` ([how to undo it](../frameworks.md#how-to-undo-it)). No target: exit status 2, usage on
+stderr.
 """
 
 from __future__ import annotations
