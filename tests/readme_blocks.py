@@ -29,13 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launch.common.torchrun import env_outside_torchrun
+from launch.docs.site_text import MAX_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 GUIDES = ROOT / "docs" / "guides"
-# The widest line of a code block: at 100 columns a block fits the site's page at 1280 pixels
-# (docs/stylesheets/extra.css; make docs-check measures it).
-MAX_COLUMNS = 100
 KINDS = ("run", "file", "output", "fragment", "not run")
 _MARKER = re.compile(r"<!-- (run|file|output|fragment|not run)(?:[ :] *(.*?))? -->")
 
