@@ -22,7 +22,6 @@ import socket
 from pathlib import Path
 
 import pytest
-from readme_blocks import code_blocks
 
 from launch.docs import diagrams, site_text
 from launch.docs.site_text import ALLOWED, MAX_COLUMNS, WIDE_BLOCKS_ALLOWED, path_text
@@ -300,6 +299,23 @@ def _site_page(page: Path) -> str:
 _SITE_PAGES = [page for page in PAGES if page != ROOT / "CHANGELOG.md"]  # README.md and docs/: what _site_page maps
 
 
+def fenced_blocks(text: str) -> list[tuple[int, list[str]]]:
+    """Each fenced block of the markdown ``text``, indented ones (in a list item) too: the line of its opening fence
+    and its lines as rendered, without the fence's indent."""
+    blocks, lines, index = [], text.splitlines(), 0
+    while index < len(lines):
+        fence = re.match(r"( *)(```|~~~)", lines[index])
+        if not fence:
+            index += 1
+            continue
+        indent, end = len(fence.group(1)), index + 1
+        while end < len(lines) and not lines[end].strip().startswith(fence.group(2)):
+            end += 1
+        blocks.append((index + 1, [line[indent:] for line in lines[index + 1 : end]]))
+        index = end + 1
+    return blocks
+
+
 @pytest.mark.parametrize("page", _SITE_PAGES, ids=lambda page: str(page.relative_to(ROOT)))
 def test_every_code_block_fits_100_columns(page: Path) -> None:
     """What the site shows whole at 1280 pixels (docs/stylesheets/extra.css), less the allowances of
@@ -307,19 +323,24 @@ def test_every_code_block_fits_100_columns(page: Path) -> None:
     name = str(page.relative_to(ROOT))
     wide = [
         f"{name} line {n}: {len(line)} columns"
-        for block in code_blocks(page.read_text())
-        if (_site_page(page), block.text.splitlines()[0]) not in WIDE_BLOCKS_ALLOWED
-        for n, line in enumerate(block.text.splitlines(), block.line + 1)
+        for start, lines in fenced_blocks(page.read_text())
+        if lines and (_site_page(page), lines[0]) not in WIDE_BLOCKS_ALLOWED
+        for n, line in enumerate(lines, start + 1)
         if len(line) > MAX_COLUMNS
     ]
     assert not wide, "\n".join(wide)
 
 
+def test_the_width_check_reads_indented_blocks() -> None:
+    text = "- item\n\n  ```\n  " + "x" * 100 + "\n  ```\n\n```python\n" + "y" * 101 + "\n```\n"
+    assert fenced_blocks(text) == [(3, ["x" * 100]), (7, ["y" * 101])]
+
+
 def test_each_wide_block_allowance_is_still_needed() -> None:
     sources = {_site_page(page): page for page in _SITE_PAGES}
     for site_page, first_line in WIDE_BLOCKS_ALLOWED:
-        blocks = [b for b in code_blocks(sources[site_page].read_text()) if b.text.splitlines()[0] == first_line]
+        blocks = [lines for _, lines in fenced_blocks(sources[site_page].read_text()) if lines[:1] == [first_line]]
         assert blocks, f"{site_page}: no block starts {first_line!r}: drop its allowance"
-        assert max(len(line) for b in blocks for line in b.text.splitlines()) > MAX_COLUMNS, (
+        assert max(len(line) for lines in blocks for line in lines) > MAX_COLUMNS, (
             f"{site_page}: the block {first_line!r} fits now: drop its allowance"
         )

@@ -2,9 +2,9 @@
 
 Usage::
 
-    python -m syncbn_dist.run train.py ARGS...                        # as `python train.py ARGS...`
-    python -m syncbn_dist.run -m package.module ARGS...               # as `python -m package.module ARGS...`
-    torchrun --nproc_per_node=2 -m syncbn_dist.run train.py ARGS...   # each worker as `python train.py ARGS...`
+    python -m syncbn_dist.run train.py ARGS...                       # as `python train.py ARGS...`
+    python -m syncbn_dist.run -m package.module ARGS...              # as `python -m package.module ...`
+    torchrun --nproc_per_node=2 -m syncbn_dist.run train.py ARGS...  # each worker as `python train.py`
 
 It calls :func:`syncbn_dist.patch_torch_sync_batchnorm`, then runs the target as Python would: ``__name__ ==
 "__main__"``, ``sys.argv`` = ``[target, *ARGS]`` (the module's file for ``-m``), ``sys.path[0]`` the script's directory
