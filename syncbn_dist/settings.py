@@ -39,7 +39,7 @@ def set_kernels(mode: str) -> None:
     There is one eager kernel set, the native one (torch's batch-norm ops; nothing compiles). ``"compiled"`` and
     ``"auto"``, which chose inductor-compiled kernels until 0.1.0, are accepted until 0.3.0: they warn once and run
     the native kernels. A user's ``torch.compile`` traces the layer into its own graph whatever the mode
-    (docs/compile.md).
+    ([compile.md](../compile.md)).
 
     Args:
         mode: ``"native"``; ``"compiled"`` or ``"auto"``, deprecated.
@@ -132,7 +132,8 @@ def set_debug(enabled: bool) -> None:
     In debug mode a small ``all_gather`` before each synchronized collective, forward and backward, checks that every
     member is at the same one (call number, layer name, num_features, dtype, direction); else every member raises
     :class:`LayerMismatchError` naming each rank's layer, instead of hanging or mixing statistics. Off by default:
-    collective tags and the first step check what they can (docs/troubleshooting.md, "What is caught, and when").
+    collective tags and the first step check what they can ([What is caught, and
+    when](../troubleshooting.md#what-is-caught-and-when)).
 
     Args:
         enabled: True turns debug mode on, False off.

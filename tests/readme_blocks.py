@@ -1,8 +1,10 @@
-"""The README's code blocks, what each one is, and running them as a reader would paste them.
+"""The code blocks of the README and the guide pages, what each one is, and running them as a reader would paste
+them.
 
-Shared by tests/test_readme.py (the editable install), tests/test_packaging.py (a fresh venv holding torch and the
-built wheel) and tests/test_gpu.py (the quick start on the GPUs). Every fenced block of README.md has an HTML
-comment on the line just above its opening fence that says what it is:
+Shared by tests/test_readme.py (the editable install), tests/test_guides.py (the guide pages, docs/guides/*.md),
+tests/test_packaging.py (a fresh venv holding torch and the built wheel) and tests/test_gpu.py (the quick start on
+the GPUs). Every fenced block of README.md and of a guide page has an HTML comment on the line just above its
+opening fence that says what it is:
 
 - ``<!-- run -->``: run as pasted: a ``python`` block as a script, a ``bash`` block with ``bash -e``, in a scratch
   directory that holds the ``file`` blocks above it, with the venv's ``bin`` first on ``PATH``;
@@ -12,7 +14,8 @@ comment on the line just above its opening fence that says what it is:
   (``# fragment: ...``), and a ``python`` fragment must parse;
 - ``<!-- not run: WHY -->``: commands the tests do not run (installing packages, the suite itself).
 
-A block without one of these fails tests/test_readme.py, so a new block cannot go unrun by accident.
+A block without one of these fails tests/test_readme.py or tests/test_guides.py, so a new block cannot go unrun
+by accident. Every line of a block fits :data:`MAX_COLUMNS`, so that the site shows it whole.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launch.common.torchrun import env_outside_torchrun
+from launch.docs.site_text import MAX_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+GUIDES = ROOT / "docs" / "guides"
 KINDS = ("run", "file", "output", "fragment", "not run")
 _MARKER = re.compile(r"<!-- (run|file|output|fragment|not run)(?:[ :] *(.*?))? -->")
 
@@ -85,19 +90,46 @@ def fragment_names(block: Block) -> set[str]:
     return names
 
 
+def marker_problems(blocks: list[Block], source: str = "README") -> list[str]:
+    """What is wrong with the markers of ``blocks`` (of the page ``source``): a block without one, a ``fragment``
+    that does not say so first, a ``file`` block that is not a ``.py`` file, a ``not run`` one that gives no reason,
+    an ``output`` block with no ``run`` block above it, a line wider than :data:`MAX_COLUMNS`. Empty: all good."""
+    problems = []
+    ran = False
+    for block in blocks:
+        where = f"{source} line {block.line}"
+        if block.kind is None:
+            problems.append(f"{where}: no <!-- {' | '.join(KINDS)} --> marker above the block")
+        if block.kind == "fragment" and not block.text.startswith("# fragment: "):  # the reader sees it too
+            problems.append(f"{where}: a fragment says '# fragment: ...' first")
+        if block.kind == "file" and not (block.language == "python" and block.arg.endswith(".py")):
+            problems.append(f"{where}: a file block is a python block saved as NAME.py")
+        if block.kind == "not run" and not block.arg:
+            problems.append(f"{where}: a 'not run' block says why")
+        ran = ran or block.kind == "run"
+        if block.kind == "output" and not ran:
+            problems.append(f"{where}: an output block with no run block above it")
+        wide = [n for n, line in enumerate(block.text.splitlines(), block.line + 1) if len(line) > MAX_COLUMNS]
+        if wide:
+            problems.append(f"{where}: lines {wide} are wider than {MAX_COLUMNS} columns")
+    return problems
+
+
 def run_blocks(
     blocks: list[Block],
     workdir: Path,
     bin_dir: Path,
     env: Mapping[str, str] | None = None,
     timeout: float = 120,
+    source: str = "README",
 ) -> list[tuple[Block, str]]:
     """Run the ``run`` blocks of ``blocks`` in order in ``workdir``, after writing the ``file`` blocks above each,
     and check every ``output`` block against the standard output of the run before it.
 
     ``bin_dir`` holds the ``python`` and ``torchrun`` a reader's shell finds first. The environment is ``env`` (default
     this process's) without what torchrun sets for its workers (a test may run inside one) and without
-    ``PYTHONPATH``, with one intra-op thread per process (the processes share the cores).
+    ``PYTHONPATH``, with one intra-op thread per process (the processes share the cores). ``source`` names the page
+    in the messages.
 
     Returns:
         ``(block, stdout)`` for each ``run`` block.
@@ -115,7 +147,7 @@ def run_blocks(
             (workdir / block.arg).write_text(block.text)
         elif block.kind == "run":
             if block.language == "python":
-                script = workdir / f"readme_line_{block.line}.py"
+                script = workdir / f"line_{block.line}.py"
                 script.write_text(block.text)
                 command = [str(bin_dir / "python"), script.name]
             else:
@@ -124,16 +156,16 @@ def run_blocks(
                 command, cwd=workdir, env=environment, capture_output=True, text=True, timeout=timeout
             )
             assert done.returncode == 0, (
-                f"README line {block.line} exited {done.returncode}:\n{block.text}\n"
+                f"{source} line {block.line} exited {done.returncode}:\n{block.text}\n"
                 f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
             )
             ran.append((block, done.stdout))
         elif block.kind == "output":
-            assert ran, f"README line {block.line}: an output block with no run block above it"
+            assert ran, f"{source} line {block.line}: an output block with no run block above it"
             printed = ran[-1][1].splitlines()
             for expected in filter(None, block.text.splitlines()):
                 assert expected in printed, (
-                    f"README line {block.line}: {expected!r} is not a line that README line {ran[-1][0].line} printed:"
+                    f"{source} line {block.line}: {expected!r} is not a line that line {ran[-1][0].line} printed:"
                     f"\n{ran[-1][1][-3000:]}"
                 )
     return ran
@@ -142,3 +174,8 @@ def run_blocks(
 def readme_blocks() -> list[Block]:
     """The code blocks of the repository's README.md."""
     return code_blocks(README.read_text())
+
+
+def guide_pages() -> list[Path]:
+    """The guide pages, docs/guides/*.md, in name order."""
+    return sorted(GUIDES.glob("*.md"))

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.docs import diagrams
+from launch.docs import diagrams, site_text
+from launch.docs.site_text import ALLOWED, MAX_COLUMNS, path_text
 
 # Left out of make test-quick (docs/testing.md, "The quick tier"): the docs.
 pytestmark = pytest.mark.plumbing
@@ -34,6 +35,7 @@ PAGES = [
     ROOT / "CHANGELOG.md",
     *sorted((ROOT / "docs").glob("*.md")),
     *sorted((ROOT / "docs" / "api").glob("*.md")),
+    *sorted((ROOT / "docs" / "guides").glob("*.md")),
 ]
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
@@ -176,7 +178,7 @@ def test_the_pictures_render_on_their_pages_and_the_search_index_holds_the_api(s
     index = json.loads((site / "search" / "search_index.json").read_text())
     locations = {doc["location"] for doc in index["docs"]}
     assert "api/conversion.html#syncbn_dist.convert_model" in locations
-    assert {"index.html", "join.html", "dataparallel.html", "converting.html", "changelog.html"} <= locations
+    assert {"index.html", "guides/ddp.html", "guides/join.html", "guides/export.html", "changelog.html"} <= locations
 
 
 def test_the_site_loads_nothing_from_outside(site: Path) -> None:
@@ -256,3 +258,77 @@ def test_the_diagrams_are_what_the_script_draws() -> None:
     # tag), empty shards under Join.
     assert step.count("2C+6 float64") == 4 and "zeros, count 0" in step
     assert "SyncMaster" in diagrams.transports_svg() and "SlavePipe" in diagrams.transports_svg()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a reader sees: paths that link, code that fits
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_no_repository_path_is_plain_text_in_the_sites_prose(site: Path) -> None:
+    """A page or docstring that names a repository file links to it (launch/docs/site_text.py says how)."""
+    found = path_text(site)
+    assert not found, "repository paths in prose, to link instead:\n" + "\n".join(
+        f"{hit.page} ({hit.owner or 'page text'}): {hit.path!r} in {hit.context!r}" for hit in found
+    )
+
+
+def test_each_path_text_allowance_is_still_needed(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An allowance whose text now links is dropped (ALLOWED, launch/docs/site_text.py)."""
+    monkeypatch.setattr(site_text, "ALLOWED", {})
+    found = site_text.path_text(site)
+    needed = {hit.owner for hit in found} | {hit.page for hit in found}
+    assert set(ALLOWED) <= needed, f"allowances no longer needed, to drop: {sorted(set(ALLOWED) - needed)}"
+
+
+def test_the_path_check_finds_a_plain_path_in_a_docstring_and_passes_a_link_or_code(tmp_path: Path) -> None:
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api" / "x.html").write_text(
+        '<article><h2 id="syncbn_dist.f">f</h2><p>See docs/design.md, "Transports", <a href="d.html">docs/design.md'
+        "</a>, <code>tests/test_comm.py</code>.</p></article><p>outside the article: docs/x.md</p>"
+    )
+    (found,) = path_text(tmp_path)
+    assert (found.page, found.owner, found.path) == ("api/x.html", "syncbn_dist.f", "docs/design.md")
+
+
+def _site_page(page: Path) -> str:
+    """The site page of a markdown page of the repository (README.md: the home page)."""
+    return "index.html" if page == ROOT / "README.md" else str(page.relative_to(ROOT / "docs").with_suffix(".html"))
+
+
+_SITE_PAGES = [page for page in PAGES if page != ROOT / "CHANGELOG.md"]  # README.md and docs/: what _site_page maps
+
+
+def fenced_blocks(text: str) -> list[tuple[int, list[str]]]:
+    """Each fenced block of the markdown ``text``, indented ones (in a list item) too: the line of its opening fence
+    and its lines as rendered, without the fence's indent."""
+    blocks, lines, index = [], text.splitlines(), 0
+    while index < len(lines):
+        fence = re.match(r"( *)(```|~~~)", lines[index])
+        if not fence:
+            index += 1
+            continue
+        indent, end = len(fence.group(1)), index + 1
+        while end < len(lines) and not lines[end].strip().startswith(fence.group(2)):
+            end += 1
+        blocks.append((index + 1, [line[indent:] for line in lines[index + 1 : end]]))
+        index = end + 1
+    return blocks
+
+
+@pytest.mark.parametrize("page", _SITE_PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_code_block_fits_100_columns(page: Path) -> None:
+    """What the site shows whole at 1280 pixels (docs/stylesheets/extra.css)."""
+    name = str(page.relative_to(ROOT))
+    wide = [
+        f"{name} line {n}: {len(line)} columns"
+        for start, lines in fenced_blocks(page.read_text())
+        for n, line in enumerate(lines, start + 1)
+        if len(line) > MAX_COLUMNS
+    ]
+    assert not wide, "\n".join(wide)
+
+
+def test_the_width_check_reads_indented_blocks() -> None:
+    text = "- item\n\n  ```\n  " + "x" * 100 + "\n  ```\n\n```python\n" + "y" * 101 + "\n```\n"
+    assert fenced_blocks(text) == [(3, ["x" * 100]), (7, ["y" * 101])]

@@ -18,7 +18,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from readme_blocks import readme_blocks, run_blocks
+from readme_blocks import GUIDES, code_blocks, readme_blocks, run_blocks
 
 import syncbn_dist
 
@@ -109,9 +109,11 @@ def test_wheel_installed_outside_the_tree_imports_and_synchronizes(tmp_path: Pat
     out = _run([python, "-I", script, str(ROOT), syncbn_dist.__version__], work, timeout=240)
     assert "2-rank gloo parity ok" in out
 
-    # A new user's path: the README's runnable blocks, unchanged, with this venv's python and torchrun first on PATH
-    # (the quick start under torchrun on 2 processes, the Join recipe, then DataParallel on CPU replicas), outside the
-    # tree.
+    # A new user's path: the README's runnable blocks (the quick start under torchrun on 2 processes) and the Join
+    # guide's script, unchanged, with this venv's python and torchrun first on PATH, outside the tree.
     ran = run_blocks(readme_blocks(), tmp_path / "readme", venv / "bin", timeout=240)
     assert "2 processes, BatchNorm: distributed" in ran[0][1]
-    assert "steps per process under Join: [3, 4]" in ran[1][1]  # Join with torch alone installed (no numpy)
+    join_guide = GUIDES / "join.md"
+    ran = run_blocks(code_blocks(join_guide.read_text()), tmp_path / "join", venv / "bin", timeout=240,
+                     source="docs/guides/join.md")
+    assert "batches per process under Join: [3, 4]" in ran[0][1]  # Join with torch alone installed (no numpy)

@@ -16,7 +16,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from readme_blocks import KINDS, README, Block, code_blocks, fragment_names, readme_blocks, run_blocks
+from readme_blocks import (
+    README,
+    Block,
+    code_blocks,
+    fragment_names,
+    marker_problems,
+    readme_blocks,
+    run_blocks,
+)
 
 from launch.bench import render
 from launch.bench.report import markdown, readme_gpu_section
@@ -42,15 +50,9 @@ def _report(name: str) -> dict:
 
 def test_every_readme_code_block_says_what_it_is() -> None:
     blocks = readme_blocks()
-    unmarked = [block.line for block in blocks if block.kind is None]
-    assert not unmarked, f"README code blocks without a <!-- {' | '.join(KINDS)} --> marker, at lines {unmarked}"
-    for block in blocks:
-        if block.kind == "fragment":  # the reader sees it too, not only the test
-            assert block.text.startswith("# fragment: "), f"README line {block.line}: say '# fragment: ...' first"
-        if block.kind == "file":
-            assert block.language == "python" and block.arg.endswith(".py"), block
-        if block.kind == "not run":
-            assert block.arg, f"README line {block.line}: a 'not run' block says why"
+    # Each block marked, each fragment saying so, each line within 100 columns.
+    problems = marker_problems(blocks)
+    assert not problems, "\n".join(problems)
     kinds = [block.kind for block in blocks]
     # The quick start: a file, the command that runs it, what it prints; all before the first not-run block.
     assert kinds[: kinds.index("not run")] == ["fragment", "file", "run", "output"]
@@ -111,12 +113,10 @@ def test_the_block_checks_fail_on_what_they_must_catch(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_readme_runs_as_pasted(tmp_path: Path) -> None:
     """Every runnable block, in order, in a directory outside the tree, with this venv's python and torchrun: the
-    quick start on 2 CPU processes (gloo), the Join recipe on 2 (a different number of batches each), then
-    DataParallel on CPU thread replicas."""
+    quick start on 2 CPU processes (gloo)."""
     ran = run_blocks(readme_blocks(), tmp_path, Path(sys.executable).parent)
-    assert [block.language for block, _ in ran] == ["bash", "bash", "python"]
+    assert [block.language for block, _ in ran] == ["bash"]  # the rest runs in the guides (tests/test_guides.py)
     assert "torchrun" in ran[0][0].text and "2 processes, BatchNorm: distributed" in ran[0][1]
-    assert "join.py" in ran[1][0].text and "steps per process under Join: [3, 4]" in ran[1][1]
 
 
 # ---------------------------------------------------------------------------------------------------------------

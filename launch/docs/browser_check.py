@@ -11,7 +11,15 @@ starts with no background networking, so nothing but the site is reached. It che
   in the browser), and opening ``api/conversion.html#syncbn_dist.convert_model`` scrolls to the entry;
 - the search index the browser loads holds ``convert_model``, and typing it in the search box lists its entry;
 - the design page's diagrams and the compare and performance plots load (decoded, non-zero size);
+- every page of the site (the guides, the API pages, the rest; not the ``source/`` pages): each code block fits
+  100 columns and shows whole at this window's 1280 pixels, nothing cut off on the right;
+- no repository path is plain text in the prose (launch/docs/site_text.py: a page or docstring links the file);
+- the Layers page's table of contents names each class whole (not three "SynchronizedBatchNor…");
+- the site from disk: ``site/index.html`` opened as a ``file://`` page has a search box, and typing a query lists
+  results, with no error in the console;
 - every resource a page loaded came from the site itself, and the browser logged no error.
+
+With ``--screenshots DIR`` it saves a picture of each page it opens (the guides among them) and of the searches.
 
 Exit status 0 when every check passes, 1 otherwise (each failure printed), 2 when no browser is installed.
 """
@@ -28,6 +36,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from launch.docs.site_text import MAX_COLUMNS, path_text
+
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 FLAGS = (
     "--headless",
@@ -43,6 +53,30 @@ API_PAGES = ("api.html", "api/layers.html", "api/conversion.html", "api/data_par
              "api/switches.html", "api/errors.html")
 PICTURES = (("design.html", "transports.svg"), ("design.html", "step.svg"), ("compare.html", "compare.png"),
             ("performance.html", "performance.png"))
+# The entries the Layers page's table of contents must show whole.
+TOC_NAMES = {"api/layers.html": ("SyncBatchNorm", "SynchronizedBatchNorm1d", "SynchronizedBatchNorm2d",
+                                 "SynchronizedBatchNorm3d", "new_sync_groups", "sync_running_stats")}
+# Each code block of the page: its first line, its widest line in characters, and whether it shows whole (nothing
+# past the right edge of its box).
+_CODE_BLOCKS = """
+return Array.from(document.querySelectorAll('article pre > code')).map(code => {
+  const lines = code.textContent.replace(/\\n$/, '').split('\\n');
+  return [lines[0], Math.max(...lines.map(l => l.length)), code.scrollWidth <= code.clientWidth + 1];
+});
+"""
+# An entry of the secondary sidebar's table of contents, by its text: [text, fits its box, lines the name takes].
+_TOC_ENTRIES = """
+return Array.from(document.querySelectorAll('.md-sidebar--secondary nav.md-nav--secondary a.md-nav__link')).map(a => {
+  const span = a.querySelector('.md-ellipsis') || a;
+  const name = Array.from(span.childNodes).filter(n => n.nodeType === 3).pop();
+  const range = document.createRange();
+  if (name) {
+    range.setStart(name, name.textContent.search(/\\S/));
+    range.setEnd(name, name.textContent.trimEnd().length);
+  }
+  return [a.textContent.trim(), span.scrollWidth <= span.clientWidth + 1, name ? range.getClientRects().length : 0];
+});
+"""
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -113,6 +147,53 @@ class Checks:
             return WebDriverWait(self.driver, seconds, poll_frequency=0.1).until(lambda _: predicate())
         except TimeoutException:
             return None
+
+
+def site_pages(site: Path) -> list[str]:
+    """Every page of the built site a reader reaches from the navigation (not the ``source/`` pages, not 404)."""
+    return sorted(path.relative_to(site).as_posix() for path in site.rglob("*.html")
+                  if not path.relative_to(site).as_posix().startswith("source/") and path.name != "404.html")
+
+
+def check_pages(checks: Checks, pages: Sequence[str]) -> None:
+    """Every page: its code blocks fit :data:`MAX_COLUMNS` and show whole; the table of contents names its entries."""
+    for page in pages:
+        checks.open(page)
+        for first, columns, whole in checks.js(_CODE_BLOCKS):
+            checks.expect(columns <= MAX_COLUMNS, f"{page}: a code block {columns} columns wide ({first[:60]!r})")
+            checks.expect(whole, f"{page}: a code block is cut off on the right at 1280 pixels ({first[:60]!r})")
+        if page in TOC_NAMES:
+            entries = {text.split()[-1]: (fits, lines) for text, fits, lines in checks.js(_TOC_ENTRIES)}
+            for name in TOC_NAMES[page]:
+                fits, lines = entries.get(name, (False, 0))
+                checks.expect(fits and lines == 1,
+                              f"{page}: the table of contents does not show {name} whole (entries: {sorted(entries)})")
+
+
+def check_search_from_disk(checks: Checks, site: Path) -> None:
+    """``site/index.html`` as a file: a search box, and a query lists results (Material's offline plugin)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    driver = checks.driver
+    driver.get((site.resolve() / "index.html").as_uri())
+    boxes = driver.find_elements(By.CSS_SELECTOR, "input.md-search__input")
+    shown = bool(boxes) and boxes[0].is_displayed()
+    checks.expect(shown, "file:// index.html: no search box")
+    if not shown:
+        return
+    boxes[0].click()
+    boxes[0].send_keys("join_layers")
+    boxes[0].send_keys(Keys.SPACE)
+    hits = checks.wait(lambda: [a.get_attribute("href") for a in
+                                driver.find_elements(By.CSS_SELECTOR, ".md-search-result__item a")
+                                if "syncbn_dist.join_layers" in (a.get_attribute("href") or "")])
+    checks.expect(bool(hits) and all(hit.startswith("file://") for hit in hits),
+                  "file:// index.html: typing join_layers lists no file:// link to its entry")
+    errors = [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+    checks.expect(not errors, f"file:// index.html: the browser logged errors: {errors}")
+    if checks.screenshots is not None:
+        driver.save_screenshot(str(checks.screenshots / "search_from_disk.png"))
 
 
 def run_checks(checks: Checks, names: Sequence[str]) -> None:
@@ -217,6 +298,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"headless on {base}", flush=True)
             checks = Checks(driver, base, args.screenshots)
             run_checks(checks, public_names(root))
+            pages = site_pages(args.site)
+            check_pages(checks, pages)
+            print(f"pages: {len(pages)} opened for code widths and tables of contents", flush=True)
+            for hit in path_text(args.site):
+                checks.expect(False, f"{hit.page}: {hit.path!r} is plain text in the prose ({hit.owner or 'page'}): "
+                                     f"{hit.context!r}")
+            check_search_from_disk(checks, args.site)
         finally:
             driver.quit()
             server.shutdown()

@@ -1,9 +1,9 @@
 """MkDocs hooks of the documentation site (mkdocs.yml): the repository's root pages, links out of docs/, and the API
 reference's completeness. Loaded by MkDocs from its path, so it imports nothing of the repository.
 
-- README.md is the home page (``index.md``), less the "Using it" sections in ``README_GUIDES``, each a guide page of
-  its own; the home page keeps their headings, each pointing to its page, so every README anchor stays on it.
-  CHANGELOG.md is ``changelog.md``. Their links, written from the repository root, are rebased onto docs/.
+- README.md is the home page (``index.md``), whole: its "Using it" section points to the guide pages, which live in
+  docs/guides/ with the scripts tests/test_guides.py runs. CHANGELOG.md is ``changelog.md``. Their links, written
+  from the repository root, are rebased onto docs/.
 - A link from a page to a repository file outside docs/ goes to that file's page on the site: README.md to the home
   page, CHANGELOG.md to the changelog, any other file to a page that shows its source (``source/...``, out of the
   nav). A link to a file that does not exist is left as it is, for MkDocs to report.
@@ -28,14 +28,6 @@ from mkdocs.structure.pages import Page
 
 log = logging.getLogger("mkdocs.hooks.syncbn_dist")
 
-# Site page -> the README section ("### heading") it holds. The user's path through the nav (mkdocs.yml) has a page
-# for each; the README keeps the text, so the site and the repository's front door say it once.
-README_GUIDES = {
-    "torchrun.md": "torchrun and DistributedDataParallel",
-    "join.md": "Ranks with different numbers of batches",
-    "converting.md": "Model zoos, your own BatchNorm subclasses, and back to plain BatchNorm",
-    "dataparallel.md": "nn.DataParallel",
-}
 # Repository files outside docs/ that are pages of their own.
 ROOT_PAGES = {"README.md": "index.md", "CHANGELOG.md": "changelog.md"}
 API_PAGES = "api/"
@@ -44,7 +36,6 @@ SOURCE_PAGES = "source/"
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 _LINK = re.compile(r"(\]\()([^)\s]+)(\))")
-_HEADING = re.compile(r"^(#{1,6}) (.+?)\s*$", re.M)
 _DIRECTIVE = re.compile(r"^::: ([\w.]+)\s*$", re.M)
 _LANGUAGES = {".py": "python", ".sh": "bash", ".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json"}
 
@@ -75,9 +66,9 @@ def _site_uri(repo_path: str, root: Path, docs: str) -> str | None:
     return None
 
 
-def _rebase(text: str, from_dir: str, page_uri: str, root: Path, docs: str, own_anchor_page: str | None = None) -> str:
+def _rebase(text: str, from_dir: str, page_uri: str, root: Path, docs: str) -> str:
     """Links written from ``from_dir`` (a folder of the repository, "" for its root) rewritten for the site page
-    ``page_uri``; a bare ``#anchor`` goes to ``own_anchor_page`` when it is given."""
+    ``page_uri``."""
 
     def link(match: re.Match[str]) -> str:
         target = match.group(2)
@@ -85,57 +76,15 @@ def _rebase(text: str, from_dir: str, page_uri: str, root: Path, docs: str, own_
             return match.group(0)
         path, hash_, anchor = target.partition("#")
         if not path:
-            if own_anchor_page is None:
-                return match.group(0)
-            uri = own_anchor_page
-        else:
-            repo_path = posixpath.normpath(posixpath.join(from_dir, path))
-            uri = _site_uri(repo_path, root, docs)
-            if uri is None:
-                return match.group(0)
+            return match.group(0)
+        repo_path = posixpath.normpath(posixpath.join(from_dir, path))
+        uri = _site_uri(repo_path, root, docs)
+        if uri is None:
+            return match.group(0)
         relative = posixpath.relpath(uri, posixpath.dirname(page_uri) or ".")
         return f"{match.group(1)}{relative}{hash_}{anchor}{match.group(3)}"
 
     return _outside_code(text, lambda part: _LINK.sub(link, part))
-
-
-def _sections(text: str) -> dict[str, tuple[int, int, int]]:
-    """Each heading outside code: (level, start of its line, end of its section)."""
-    blank = _FENCE.sub(lambda fence: re.sub(r"[^\n]", " ", fence.group(0)), text)
-    headings = [(len(m.group(1)), m.group(2), m.start()) for m in _HEADING.finditer(blank)]
-    sections = {}
-    for position, (level, title, start) in enumerate(headings):
-        end = next((s for lvl, _, s in headings[position + 1 :] if lvl <= level), len(text))
-        sections[title] = (level, start, end)
-    return sections
-
-
-def _promote(body: str, level: int) -> str:
-    """A section's subheadings, one level under its title (the page's ``#``)."""
-    deeper = re.compile(rf"^#{{{level}}}(#*) ", re.M)
-    return _outside_code(body, lambda part: deeper.sub(lambda m: "#" * (1 + len(m.group(1))) + " ", part))
-
-
-def _readme_pages(readme: str) -> dict[str, str]:
-    """The home page and the guide pages, from the README's text (links as written in the README)."""
-    sections = _sections(readme)
-    pages, cuts = {}, []
-    for uri, title in README_GUIDES.items():
-        if title not in sections:
-            log.warning(f"README.md has no section '{title}' for the site's {uri} (hooks.py: README_GUIDES)")
-            continue
-        level, start, end = sections[title]
-        heading_end = readme.index("\n", start) + 1
-        pages[uri] = f"# {title}\n\n{_promote(readme[heading_end:end].strip(chr(10)), level)}\n"
-        cuts.append((heading_end, end, uri, title))
-    home, last = [], 0
-    for heading_end, end, uri, title in sorted(cuts):  # each section's heading stays, pointing to its page
-        home.append(readme[last:heading_end])
-        home.append(f"\nOn its own page: [{title}]({uri}).\n\n")
-        last = end
-    home.append(readme[last:])
-    pages["index.md"] = "".join(home)
-    return pages
 
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:
@@ -143,9 +92,7 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
     docs = Path(config.docs_dir).resolve().relative_to(root).as_posix()
     generated: dict[str, str] = {}
     readme = (root / "README.md").read_text(encoding="utf-8")
-    for uri, text in _readme_pages(readme).items():
-        own = None if uri == "index.md" else "index.md"
-        generated[uri] = _rebase(text, "", uri, root, docs, own_anchor_page=own)
+    generated["index.md"] = _rebase(readme, "", "index.md", root, docs)
     changelog = root / "CHANGELOG.md"
     if changelog.is_file():
         generated["changelog.md"] = _rebase(changelog.read_text(encoding="utf-8"), "", "changelog.md", root, docs)

@@ -58,7 +58,8 @@ class LayerMismatchError(ValueError):
     direction (raised on every member at that collective).
 
     Raised by the collective tags, the first-step and debug-mode gather checks and the controls under ``Join``
-    (docs/troubleshooting.md); inside a compiled graph on CUDA a mismatch is a device-side assertion instead.
+    ([Troubleshooting](../troubleshooting.md#what-is-caught-and-when)); inside a compiled graph on CUDA a mismatch is a
+    device-side assertion instead.
     """
 
 

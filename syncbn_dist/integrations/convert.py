@@ -190,11 +190,12 @@ def convert_model(module: nn.Module, process_group: Optional[Any] = None, *, str
 
     In one process the converted model's outputs, gradients and running statistics are the original's, bit for bit.
     ``nn.BatchNorm1d/2d/3d`` becomes :class:`SynchronizedBatchNorm1d/2d/3d`, ``nn.SyncBatchNorm``
-    :class:`SyncBatchNorm`, other classes as registered (docs/api/conversion.md, "The conversion contract");
-    synchronized layers are kept, so converting twice is a no-op. The new layers own the same tensors (an optimizer's
-    references survive), settings, instance attributes, parametrizations and, unlike with torch's
-    ``convert_sync_batchnorm``, hooks (their handles still work) and a norm+act family's children (``state_dict()`` keys
-    unchanged). A layer registered in several places becomes one layer, shared alike.
+    :class:`SyncBatchNorm`, other classes as registered
+    ([the conversion contract](../api/conversion.md#the-conversion-contract)); synchronized layers are kept, so
+    converting twice is a no-op. The new layers own the same tensors (an optimizer's references survive), settings,
+    instance attributes, parametrizations and, unlike with torch's ``convert_sync_batchnorm``, hooks (their handles
+    still work) and a norm+act family's children (``state_dict()`` keys unchanged). A layer registered in several
+    places becomes one layer, shared alike.
 
     Args:
         module: a model, a single BatchNorm layer, or an ``nn.DataParallel``.

@@ -33,7 +33,7 @@ def execute_replication_callbacks(replicas: Sequence[nn.Module]) -> None:
     Submodules at the same position in ``modules()`` order share one :class:`CallbackContext`, so the master (replica 0,
     called first) can leave its :class:`~syncbn_dist.comm.SyncMaster` there for the slaves. On any device and runner, a
     synchronized layer that raises makes every peer of the replication raise ``ReplicaSyncError`` naming it
-    (docs/design.md, "The DataParallel exchange").
+    ([the DataParallel exchange](../design.md#the-dataparallel-exchange)).
 
     Args:
         replicas: the replica modules, all structurally identical, replica 0 first.

@@ -55,7 +55,7 @@ def register_conversion(cls: Union[type[nn.Module], str], to_sync: type[SyncBatc
     given the original's tensors, children and every instance attribute ``to_sync`` does not set (usable by name in
     ``to_sync.forward``; ``state_dict()`` keys unchanged); :func:`~syncbn_dist.revert_model` restores the original
     class. Subclasses of ``cls`` without their own ``forward`` convert alike; registering a class again replaces its
-    entry. Example: docs/api/conversion.md, "The conversion contract".
+    entry. Example: [the conversion contract](../api/conversion.md#the-conversion-contract).
 
     Args:
         cls: a subclass of ``torch.nn.modules.batchnorm._BatchNorm``, or its import path ``"package.module.QualName"``

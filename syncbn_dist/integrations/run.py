@@ -2,15 +2,16 @@
 
 Usage::
 
-    python -m syncbn_dist.run train.py ARGS...                        # as `python train.py ARGS...`
-    python -m syncbn_dist.run -m package.module ARGS...               # as `python -m package.module ARGS...`
-    torchrun --nproc_per_node=2 -m syncbn_dist.run train.py ARGS...   # each worker as `python train.py ARGS...`
+    python -m syncbn_dist.run train.py ARGS...                       # as `python train.py ARGS...`
+    python -m syncbn_dist.run -m package.module ARGS...              # as `python -m package.module ...`
+    torchrun --nproc_per_node=2 -m syncbn_dist.run train.py ARGS...  # each worker as `python train.py`
 
 It calls :func:`syncbn_dist.patch_torch_sync_batchnorm`, then runs the target as Python would: ``__name__ ==
 "__main__"``, ``sys.argv`` = ``[target, *ARGS]`` (the module's file for ``-m``), ``sys.path[0]`` the script's directory
 (the working directory for ``-m``); the target's exit status and exceptions pass through (``sys.exit(3)`` exits 3).
 Python processes it starts inherit the patch (Lightning's DDP launcher, ``torch.multiprocessing`` spawn) unless started
-with ``-E`` or ``-I`` (docs/frameworks.md, "How to undo it"). No target: exit status 2, usage on stderr.
+with ``-E`` or ``-I`` ([how to undo it](../frameworks.md#how-to-undo-it)). No target: exit status 2, usage on
+stderr.
 """
 
 from __future__ import annotations

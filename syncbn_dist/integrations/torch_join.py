@@ -50,7 +50,8 @@ def join_layers(model: nn.Module, join_process_group: Optional[Any] = None) -> S
     Call it on every rank after ``convert_model`` and pass the result to ``Join`` beside the DDP model, in either order.
     The first call for a model is collective (it creates a process group per group its layers use). Inside the ``Join``
     the layers run eagerly, with one small all-reduce more per training forward (and per collective while a rank has
-    joined); outside it nothing changes (docs/training.md, "Uneven inputs").
+    joined); outside it nothing changes
+    ([uneven inputs](../training.md#uneven-inputs-ranks-with-different-numbers-of-batches)).
 
     Args:
         model: a module holding :class:`syncbn_dist.SyncBatchNorm` layers (or the DistributedDataParallel wrapping

@@ -232,13 +232,14 @@ class _Patch:
 def patch_torch_sync_batchnorm(*, strict: bool = True) -> _Patch:
     """Make every ``torch.nn.SyncBatchNorm`` layer of this process synchronize through syncbn_dist, on CPU and GPU.
 
-    For frameworks that build ``torch.nn.SyncBatchNorm`` themselves (docs/frameworks.md); ``python -m syncbn_dist.run
-    train.py`` calls it for you, in the processes the script starts too. In place and reversibly, torch's forward
-    becomes :class:`~syncbn_dist.SyncBatchNorm`'s (torch's bit for bit in eval mode and without peers),
-    ``convert_sync_batchnorm`` keeps what each layer computes as :func:`~syncbn_dist.convert_model` does, and DDP
-    accepts CPU modules (docs/frameworks.md, "What the patch changes"); layers built before the call and subclasses
-    whose forward calls ``super().forward`` are reached too. A second call only updates ``strict``. The returned context
-    manager restores the earlier state when its block ends, also on an exception::
+    For frameworks that build ``torch.nn.SyncBatchNorm`` themselves ([Frameworks](../frameworks.md));
+    ``python -m syncbn_dist.run train.py`` calls it for you, in the processes the script starts too. In place and
+    reversibly, torch's forward becomes :class:`~syncbn_dist.SyncBatchNorm`'s (torch's bit for bit in eval mode and
+    without peers), ``convert_sync_batchnorm`` keeps what each layer computes as :func:`~syncbn_dist.convert_model`
+    does, and DDP accepts CPU modules ([what the patch changes](../frameworks.md#what-the-patch-changes)); layers
+    built before the call and subclasses whose forward calls ``super().forward`` are reached too. A second call only
+    updates ``strict``. The returned context manager restores the earlier state when its block ends, also on an
+    exception::
 
         syncbn_dist.patch_torch_sync_batchnorm()          # for the rest of the process
         with syncbn_dist.patch_torch_sync_batchnorm():    # for the block only
