@@ -612,12 +612,17 @@ def _throwing_worker(rank: int, world_size: int, counts: list[int], how: str) ->
     except Exception as caught:  # noqa: BLE001 - reported to the parent, which checks every rank's
         error = caught
     seconds = time.monotonic() - start
+    stats = _running_stats(model)
+    # The error caught, every rank trains on (outside any Join): one more step, as the other ranks run it.
+    x, w = _batches(rank, [1] * world_size, epoch=1)[0]
+    (wrapped(x.float()) * w.float()).sum().backward()
     return {
         "error": None if error is None else type(error).__name__,
         "message": str(error),
         "steps": steps,
         "seconds": seconds,
-        "stats": _running_stats(model),
+        "stats": stats,
+        "stats_after": _running_stats(model),
     }
 
 
@@ -627,7 +632,7 @@ def test_throw_on_early_termination_raises_torchs_error_on_every_rank_at_once(co
     """As with plain BatchNorm ("plain batchnorm", the control): at the first step a rank has no batch for, that
     rank raises "Rank r exhausted all inputs." and every other rank "Detected at least one rank that exhausted
     inputs. Throwing across all ranks.", within seconds (a hang would end at the 10 s collective timeout with
-    gloo's message), after the same number of steps."""
+    gloo's message), after the same number of steps; each catches it and trains one more step in step."""
     results = run_distributed(_throwing_worker, len(counts), counts, how, timeout=60, collective_timeout=10)
     shortest = min(counts)
     for rank, result in enumerate(results):
@@ -643,6 +648,7 @@ def test_throw_on_early_termination_raises_torchs_error_on_every_rank_at_once(co
         assert result["seconds"] < 8.0, where
         # Synchronized layers: every rank ran the same steps, so the same running statistics (plain BatchNorm's are
         # each rank's own: only its num_batches_tracked, every third, is the same).
-        for i, (s, e) in enumerate(zip(result["stats"], results[0]["stats"])):
-            if how != "plain batchnorm" or i % 3 == 2:
-                assert_close(s, e, f"running statistic {i}, {where}", rtol=0, atol=0)
+        for key in ("stats", "stats_after"):
+            for i, (s, e) in enumerate(zip(result[key], results[0][key])):
+                if how != "plain batchnorm" or i % 3 == 2:
+                    assert_close(s, e, f"{key} {i}, {where}", rtol=0, atol=0)
