@@ -565,3 +565,90 @@ def test_a_joined_ranks_buffers_are_written_by_its_main_thread_only() -> None:
     them: two layers, two steps after rank 0 joined, four updates, all on the main thread."""
     writers, _ = run_distributed(_buffer_writers_worker, 2)
     assert writers == ["MainThread"] * 4, writers
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Join(..., throw_on_early_termination=True): every rank raises torch's error as soon as one has run out
+# ---------------------------------------------------------------------------------------------------------------
+
+THROWING = [
+    "ddp alone",
+    "ddp, join_layers(model)",
+    "ddp, join_layers(ddp)",
+    "join_layers(ddp), ddp",
+    "join_layers alone",
+    "plain batchnorm",
+]
+
+
+def _throwing_worker(rank: int, world_size: int, counts: list[int], how: str) -> dict[str, Any]:
+    """Uneven batch counts under ``Join(..., throw_on_early_termination=True)`` (``how``: the joinables, or "plain
+    batchnorm": nn.BatchNorm2d layers in ``Join([ddp])``): the error each rank raised, after how many steps, and the
+    seconds its Join took (the ranks start together, after a barrier)."""
+    import time
+
+    net = _net()
+    model = net if how == "plain batchnorm" else convert_model(net)
+    ddp = DistributedDataParallel(model)
+    wrapped: nn.Module = model if how == "join_layers alone" else ddp
+    if how in ("ddp alone", "plain batchnorm"):
+        joinables: list[Any] = [ddp]
+    elif how == "ddp, join_layers(model)":
+        joinables = [ddp, join_layers(model)]
+    elif how == "ddp, join_layers(ddp)":
+        joinables = [ddp, join_layers(ddp)]
+    elif how == "join_layers(ddp), ddp":
+        joinables = [join_layers(ddp), ddp]
+    else:
+        joinables = [join_layers(model)]
+    steps, error = 0, None
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        with Join(joinables, throw_on_early_termination=True):
+            for x, w in _batches(rank, counts):
+                (wrapped(x.float()) * w.float()).sum().backward()
+                steps += 1
+    except Exception as caught:  # noqa: BLE001 - reported to the parent, which checks every rank's
+        error = caught
+    seconds = time.monotonic() - start
+    stats = _running_stats(model)
+    # The error caught, every rank trains on (outside any Join): one more step, as the other ranks run it.
+    x, w = _batches(rank, [1] * world_size, epoch=1)[0]
+    (wrapped(x.float()) * w.float()).sum().backward()
+    return {
+        "error": None if error is None else type(error).__name__,
+        "message": str(error),
+        "steps": steps,
+        "seconds": seconds,
+        "stats": stats,
+        "stats_after": _running_stats(model),
+    }
+
+
+@pytest.mark.parametrize("how", THROWING)
+@pytest.mark.parametrize("counts", [[1, 3], [2, 0, 3], [3, 2, 3]], ids=["W2-1-3", "W3-2-0-3", "W3-3-2-3"])
+def test_throw_on_early_termination_raises_torchs_error_on_every_rank_at_once(counts: list[int], how: str) -> None:
+    """As with plain BatchNorm ("plain batchnorm", the control): at the first step a rank has no batch for, that
+    rank raises "Rank r exhausted all inputs." and every other rank "Detected at least one rank that exhausted
+    inputs. Throwing across all ranks.", within seconds (a hang would end at the 10 s collective timeout with
+    gloo's message), after the same number of steps; each catches it and trains one more step in step."""
+    results = run_distributed(_throwing_worker, len(counts), counts, how, timeout=60, collective_timeout=10)
+    shortest = min(counts)
+    for rank, result in enumerate(results):
+        where = f"{how}, rank {rank}: {result}"
+        assert result["error"] == "RuntimeError", where
+        if counts[rank] == shortest:
+            assert result["message"] == f"Rank {rank} exhausted all inputs.", where
+        else:
+            assert result["message"] == (
+                "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+            ), where
+        assert result["steps"] == shortest, where
+        assert result["seconds"] < 8.0, where
+        # Synchronized layers: every rank ran the same steps, so the same running statistics (plain BatchNorm's are
+        # each rank's own: only its num_batches_tracked, every third, is the same).
+        for key in ("stats", "stats_after"):
+            for i, (s, e) in enumerate(zip(result[key], results[0][key])):
+                if how != "plain batchnorm" or i % 3 == 2:
+                    assert_close(s, e, f"{key} {i}, {where}", rtol=0, atol=0)

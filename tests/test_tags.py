@@ -311,6 +311,96 @@ def test_ranks_that_part_under_join_raise_on_every_rank_the_joined_one_included(
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# After a caught mismatch: every buffer as it was before the failed call, on every rank
+# ---------------------------------------------------------------------------------------------------------------
+
+# Which check stops the failed call: the first-step gather (other heads, or a peer's bad input: that rank raises its
+# own ValueError), the tag of a later step's collective (other heads, a forward under no_grad), debug mode's gather.
+RECOVERY_CASES = ["first call", "bad input", "later branch", "no_grad pass", "debug"]
+BEFORE, AFTER = 2, 2  # agreeing steps before the failed call (none for a first call) and after it
+
+
+def _steps_before(case: str) -> list[int]:
+    return [] if case in ("first call", "bad input") else list(range(BEFORE))
+
+
+def _steps_after() -> list[int]:
+    return list(range(10, 10 + AFTER))
+
+
+def _failed_call(model: nn.Module, rank: int, case: str) -> str:
+    """The call where rank 0 parts from the others, caught: the error's type."""
+    try:
+        if case == "bad input" and rank == 0:
+            model(torch.randn(4, C + 1, dtype=torch.float64), "a")
+        elif case == "bad input":
+            model(_shard(rank, 9, "a")[0].requires_grad_(), "a")
+        else:
+            _parting_step(model, rank, "later branch" if case == "debug" else case)
+    except ValueError as error:  # LayerMismatchError, or the bad input's own ValueError
+        return type(error).__name__
+    raise AssertionError("the ranks parted and nothing was raised")
+
+
+def _recovery_case(rank: int, world_size: int, case: str, momentum: Optional[float]) -> dict[str, Any]:
+    """On a new group: agreeing steps, the failed call, agreeing steps again; each head's buffers at the end."""
+    syncbn_dist.set_debug(case == "debug")
+    try:
+        group = dist.new_group(list(range(world_size)))
+        model = _Heads(group)
+        for head in model.heads.values():
+            head.momentum = momentum
+        for step in _steps_before(case):
+            for name in ("a", "b"):
+                x, dy = _shard(rank, step, name)
+                model(x.requires_grad_(), name).backward(dy)
+        error = _failed_call(model, rank, case)
+        dist.barrier()  # nobody is left inside a collective
+        for step in _steps_after():
+            for name in ("a", "b"):
+                x, dy = _shard(rank, step, name)
+                model(x.requires_grad_(), name).backward(dy)
+    finally:
+        syncbn_dist.set_debug(False)
+    buffers = {name: {key: value.clone() for key, value in head.named_buffers()} for name, head in model.heads.items()}
+    return {"error": error, "buffers": buffers}
+
+
+def _worker_recovery(rank: int, world_size: int) -> list[dict[str, Any]]:
+    return [_recovery_case(rank, world_size, case, momentum) for case in RECOVERY_CASES for momentum in (0.1, None)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_after_a_caught_mismatch_every_buffer_is_as_if_the_failed_call_never_ran(world_size: int) -> None:
+    """Rank 0 parts from the others once (first-step gather, tag, debug mode, a bad input), every rank catches the
+    error and training goes on: num_batches_tracked equals the number of successful steps on every rank, and the
+    running statistics equal float64 nn.BatchNorm over the successful steps' union of batches, with a momentum and
+    with the cumulative average (momentum=None), whose factor reads num_batches_tracked."""
+    results = run_distributed(_worker_recovery, world_size, timeout=120, collective_timeout=20)
+    index = 0
+    for case in RECOVERY_CASES:
+        for momentum in (0.1, None):
+            for rank, result in enumerate(results):
+                expected_error = "ValueError" if case == "bad input" and rank == 0 else "LayerMismatchError"
+                assert result[index]["error"] == expected_error, (case, rank, result[index]["error"])
+            steps = _steps_before(case) + _steps_after()
+            for name in ("a", "b"):
+                torch.manual_seed(0)
+                reference = nn.BatchNorm1d(C, momentum=momentum).double()
+                for step in steps:
+                    reference(torch.cat([_shard(rank, step, name)[0] for rank in range(world_size)]))
+                for rank, result in enumerate(results):
+                    got = result[index]["buffers"][name]
+                    what = f"{case}, momentum={momentum}, head {name}, rank {rank}"
+                    assert int(got["num_batches_tracked"]) == len(steps), f"{what}: {got['num_batches_tracked']}"
+                    for key in ("running_mean", "running_var"):
+                        # float64 throughout: float64 rounding of O(1) values.
+                        assert_close(got[key], getattr(reference, key), f"{what}: {key}", rtol=1e-10, atol=1e-10)
+            index += 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Where our collectives meet DDP's, and what no tag can catch (docs/troubleshooting.md, "What is caught, and when")
 # ---------------------------------------------------------------------------------------------------------------
 

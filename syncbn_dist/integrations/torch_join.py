@@ -128,6 +128,11 @@ class SyncBatchNormJoinable(Joinable):
             return
         if self._join_config.is_first_joinable:  # no other joinable sends Join's per-step notification
             Join.notify_join_context(self)
+        if self._join_config.throw_on_early_termination:
+            # No rank goes on once one has joined: every rank raises at Join's next notification (DDP's, in its
+            # forward, may come after this hook), so there is no joined rank to count or answer, and a header here
+            # would wait for a rank that sits in Join's own collectives.
+            return
         for session in self._sessions:
             session.start_of_forward()
 

@@ -389,7 +389,7 @@ class SyncBatchNorm(_BatchNorm):
         if owns_buffers and binding is not None and binding.active and transport is not _SOLO:
             # Set at every call: the joined ranks update their buffers from this call's total only if this one does.
             binding.transport.expect_tracked_forward(track)
-        return sync_batch_norm(
+        args = (
             input,
             weight,
             bias,
@@ -402,6 +402,17 @@ class SyncBatchNorm(_BatchNorm):
             tags,
             compiling,
         )
+        if compiling:  # traced: the graph stays as it was (tests/test_compiled_graph.py)
+            return sync_batch_norm(*args)
+        try:
+            return sync_batch_norm(*args)
+        except BaseException:
+            # A failed call (ranks at different collectives, a peer's bad input, a timeout) leaves every buffer as it
+            # was, on every rank, whichever check raised: the running statistics are written after the collective and
+            # its checks, num_batches_tracked before them (the cumulative average's factor reads it).
+            if track:
+                self.num_batches_tracked.sub_(1)
+            raise
 
     def _tags_of_call(
         self, input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], transport: Any, compiling: bool
