@@ -652,3 +652,60 @@ def test_throw_on_early_termination_raises_torchs_error_on_every_rank_at_once(co
             for i, (s, e) in enumerate(zip(result[key], results[0][key])):
                 if how != "plain batchnorm" or i % 3 == 2:
                     assert_close(s, e, f"{key} {i}, {where}", rtol=0, atol=0)
+
+
+def _uncovered_worker(rank: int, world_size: int, counts: list[int], listed: bool) -> dict[str, Any]:
+    """A student under ``Join([ddp])`` beside a second synchronized model (an EMA-style teacher in training mode) that
+    the ``Join`` lists (``listed``) or not: each rank's error and steps, then one step of both outside any Join."""
+    import time
+
+    student, teacher = convert_model(_net()), convert_model(_net())
+    ddp = DistributedDataParallel(student)
+    joinables: list[Any] = [ddp, join_layers(teacher)] if listed else [ddp]
+    steps, error = 0, None
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        with Join(joinables):
+            for x, w in _batches(rank, counts):
+                with torch.no_grad():
+                    teacher(x.float())
+                (ddp(x.float()) * w.float()).sum().backward()
+                steps += 1
+    except Exception as caught:  # noqa: BLE001 - reported to the parent, which checks every rank's
+        error = caught
+    seconds = time.monotonic() - start
+    x, w = _batches(rank, [1] * world_size, epoch=1)[0]
+    with torch.no_grad():
+        teacher(x.float())
+    (ddp(x.float()) * w.float()).sum().backward()
+    return {
+        "error": None if error is None else type(error).__name__, "message": str(error), "steps": steps,
+        "seconds": seconds, "open_joins": torch_join.OPEN_JOINS[0], "teacher": _running_stats(teacher),
+    }
+
+
+@pytest.mark.parametrize("counts", [[1, 3], [2, 0, 3]], ids=["W2-1-3", "W3-2-0-3"])
+def test_a_synchronized_model_no_joinable_covers_raises_on_every_rank_naming_it(counts: list[int]) -> None:
+    """A second model trained in the loop but not listed in the ``Join`` (a teacher): every rank that runs it raises
+    at its first forward, before any collective (a hang would end at the 10 s collective timeout), with the layer and
+    the remedy; a rank with no batch at all, which joined at once, leaves the Join as the others do, with nothing to
+    raise. Outside the Join both models train again, in step. Listed, the same loop runs every rank's batches."""
+    results = run_distributed(_uncovered_worker, len(counts), counts, False, timeout=60, collective_timeout=10)
+    for rank, result in enumerate(results):
+        where = f"rank {rank}: {result}"
+        assert result["steps"] == 0 and result["seconds"] < 8.0 and result["open_joins"] == 0, where
+        if counts[rank] == 0:
+            assert result["error"] is None, where
+            continue
+        assert result["error"] == "RuntimeError", where
+        assert "layer '1' (SynchronizedBatchNorm2d) trains over a process group inside torch's Join" in (
+            result["message"]
+        ), where
+        assert "Join([ddp, syncbn_dist.join_layers(teacher)])" in result["message"], where
+    for rank, result in enumerate(results):
+        for s, e in zip(result["teacher"], results[0]["teacher"]):
+            assert_close(s, e, f"teacher's running statistics after the Join, rank {rank}", rtol=0, atol=0)
+    listed = run_distributed(_uncovered_worker, len(counts), counts, True, timeout=60, collective_timeout=10)
+    for rank, result in enumerate(listed):
+        assert result["error"] is None and result["steps"] == counts[rank], f"rank {rank}: {result}"

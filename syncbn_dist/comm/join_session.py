@@ -17,7 +17,11 @@ from .distributed import DistributedTransport
 from .tags import TAG_SIZE, LayerMismatchError, summed_tags_agree
 from .transport import UNREACHABLE
 
-__all__ = ["JoinBinding", "JoinSession", "JoinTransport"]
+__all__ = ["OPEN_JOINS", "JoinBinding", "JoinSession", "JoinTransport", "not_covered_error"]
+
+#: How many enabled torch ``Join`` contexts are open in this process (counted by syncbn_dist.integrations.torch_join):
+#: a synchronized layer that trains over a process group then needs a joinable of its own.
+OPEN_JOINS = [0]
 
 # Control kinds: a forward's start, a collective, and a forward whose total updates the running statistics.
 _HEADER, _COLLECTIVE, _TRACKED_FORWARD = 1.0, 2.0, 3.0
@@ -235,6 +239,18 @@ class JoinTransport:
         """The session's group while every rank is active; None once a peer has joined (the controls and tags then
         check each collective, and a joined rank cannot take part in a gather)."""
         return None if self.session.peers_joined else self.session.process_group
+
+
+def not_covered_error(layer: str) -> RuntimeError:
+    """The error of ``layer`` (its description) training over a process group under a ``Join`` that covers it not:
+    raised on every rank at its first such forward, before any collective, since every rank runs the same ``Join``."""
+    error = RuntimeError(
+        f"{layer} trains over a process group inside torch's Join, but no joinable of the Join covers it: once a rank "
+        "runs out of inputs, nobody would answer its collectives. List the joinable of the model that holds it, e.g. "
+        "Join([ddp, syncbn_dist.join_layers(teacher)]) for a second model (docs: the Join guide)"
+    )
+    error.join_not_covered = True  # type: ignore[attr-defined]  (Join's exit joins, then raises it)
+    return error
 
 
 class JoinBinding:

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import torch_changes
 from ..comm.distributed import all_gather_bytes
-from ..comm.join_session import JoinBinding, JoinSession, JoinTransport
+from ..comm.join_session import OPEN_JOINS, JoinBinding, JoinSession, JoinTransport
 from ..comm.tags import LayerMismatchError
 from ..kernels.statistics import moments_of_total
 from ..layer.batchnorm import SyncBatchNorm
@@ -271,7 +271,7 @@ def extend_torch_join() -> None:
     inputs under Join"). Done when the process makes its first synchronized layer; a no-op if already done."""
     if torch_changes.is_replaced(Join, "__init__"):
         return
-    init, exit_ = Join.__init__, Join.__exit__
+    init, enter, exit_ = Join.__init__, Join.__enter__, Join.__exit__
 
     @functools.wraps(init)
     def __init__(self: Join, joinables: list[Joinable], *args: Any, **kwargs: Any) -> None:
@@ -280,12 +280,30 @@ def extend_torch_join() -> None:
         if _ours(self):
             _let_another_notify(self)
 
+    @functools.wraps(enter)
+    def __enter__(self: Join) -> Any:
+        result = enter(self)
+        OPEN_JOINS[0] += self._enable  # a layer no joinable covers raises in it (comm/join_session.py)
+        return result
+
     @functools.wraps(exit_)
     def __exit__(self: Join, type: Any, value: Any, traceback: Any) -> Any:
+        try:
+            return _exit_extended(self, type, value, traceback)
+        finally:
+            OPEN_JOINS[0] -= self._enable
+
+    def _exit_extended(self: Join, type: Any, value: Any, traceback: Any) -> Any:
         ours = _ours(self)
-        if self._enable and type is None and not self._throw_on_early_termination:
+        # A layer no joinable covers raised before any collective, on every rank that ran it: join as a rank out of
+        # inputs does, so a rank that joined before (with no batch at all) leaves the Join too; then raise.
+        not_covered = getattr(value, "join_not_covered", False)
+        if self._enable and (type is None or not_covered) and not self._throw_on_early_termination:
             for joinable in ours:  # before Join's first collective: the active ranks' next ones need the listeners
                 joinable._start_listeners()
+            if not_covered:
+                exit_(self, None, None, None)
+                return False
         elif type is not None and issubclass(type, LayerMismatchError) and _only_layers_joined(self, ours):
             # All active ranks raised at one collective: leave as a rank out of inputs does, so joined ranks raise too;
             # not beside others, whose collectives joined ranks may shadow (docs/design.md, "Uneven inputs under Join").
@@ -303,12 +321,14 @@ def extend_torch_join() -> None:
             raise
 
     torch_changes.replace(Join, "__init__", __init__)
+    torch_changes.replace(Join, "__enter__", __enter__)
     torch_changes.replace(Join, "__exit__", __exit__)
 
 
 def restore_torch_join() -> None:
     """Undo :func:`extend_torch_join`: torch's ``Join`` again, reaching the layers only through ``join_layers``."""
     torch_changes.restore(Join, "__init__")
+    torch_changes.restore(Join, "__enter__")
     torch_changes.restore(Join, "__exit__")
 
 
