@@ -317,37 +317,60 @@ def _counting(backend: str, calls: list[int]) -> Any:
     return compile_graph
 
 
+def _train_mixed_steps_exactly(model: nn.Module, forward: Any, rank: int, world_size: int) -> None:
+    """The MIXED_STEPS training steps of ``model`` through ``forward``, each against float64 nn.BatchNorm on the global
+    batch: this rank's rows of the output and input gradient, the parameter gradients summed over the ranks, and every
+    buffer."""
+    reference = syncbn_dist.revert_model(copy.deepcopy(_model())).double()
+    for step in range(len(MIXED_STEPS)):
+        x, dy = _batch(rank, step, MIXED_STEPS[step][:world_size], False)
+        model.zero_grad(set_to_none=True)
+        y = forward(x.requires_grad_())
+        y.backward(dy)
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+        torch.distributed.all_reduce(grads)  # parameter gradients stay local (DDP would average them)
+        x_all, dy_all = _global_batch(step, world_size)
+        reference.zero_grad(set_to_none=True)
+        y_all = reference(x_all.requires_grad_())
+        y_all.backward(dy_all)
+        start = sum(MIXED_STEPS[step][:rank])
+        rows = slice(start, start + x.size(0))
+        # float32 layers against float64: float32 rounding of O(1) values through three layers and three steps.
+        close = {"rtol": 1e-4, "atol": 1e-4}
+        torch.testing.assert_close(y.detach().double(), y_all[rows].detach(), **close)
+        torch.testing.assert_close(x.grad.double(), x_all.grad[rows], **close)
+        expected_grads = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+        torch.testing.assert_close(grads, expected_grads, **close)
+        for (name, buffer), expected in zip(model.named_buffers(), reference.buffers()):
+            torch.testing.assert_close(buffer.double(), expected.double(), **close, msg=f"step {step}: {name}")
+
+
 def _worker_fallback_to_eager(rank: int, world_size: int, backend: str) -> int:
     """Three training steps of the converted model compiled with a recompile limit of 1 (so rank 0 runs eagerly from
-    its second step on), against float64 nn.BatchNorm on the global batch: this rank's rows of the output and input
-    gradient, the parameter gradients summed over the ranks, and every buffer. Returns how many steps ran compiled."""
+    its second step on), exact (:func:`_train_mixed_steps_exactly`). Returns how many steps ran compiled."""
     torch._dynamo.reset()
-    reference = syncbn_dist.revert_model(copy.deepcopy(_model())).double()
     model = _model()
     calls = [0]
     with torch._dynamo.config.patch(recompile_limit=1):
         compiled = torch.compile(model, backend=_counting(backend, calls), dynamic=False)
-        for step in range(len(MIXED_STEPS)):
-            x, dy = _batch(rank, step, MIXED_STEPS[step][:world_size], False)
-            model.zero_grad(set_to_none=True)
-            y = compiled(x.requires_grad_())
-            y.backward(dy)
-            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
-            torch.distributed.all_reduce(grads)  # parameter gradients stay local (DDP would average them)
-            x_all, dy_all = _global_batch(step, world_size)
-            reference.zero_grad(set_to_none=True)
-            y_all = reference(x_all.requires_grad_())
-            y_all.backward(dy_all)
-            start = sum(MIXED_STEPS[step][:rank])
-            rows = slice(start, start + x.size(0))
-            # float32 layers against float64: float32 rounding of O(1) values through three layers and three steps.
-            close = {"rtol": 1e-4, "atol": 1e-4}
-            torch.testing.assert_close(y.detach().double(), y_all[rows].detach(), **close)
-            torch.testing.assert_close(x.grad.double(), x_all.grad[rows], **close)
-            expected_grads = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
-            torch.testing.assert_close(grads, expected_grads, **close)
-            for (name, buffer), expected in zip(model.named_buffers(), reference.buffers()):
-                torch.testing.assert_close(buffer.double(), expected.double(), **close, msg=f"step {step}: {name}")
+        _train_mixed_steps_exactly(model, compiled, rank, world_size)
+    return calls[0]
+
+
+def _worker_rank0_evaluates_first(rank: int, world_size: int, backend: str) -> int:
+    """Rank 0 alone runs the compiled model in eval mode first (a validation before training), then every rank trains
+    it compiled, exactly (:func:`_train_mixed_steps_exactly`): rank 0's training trace is a recompilation, rank 1's a
+    first compilation, and rank 0's later shapes recompile on it alone. Returns how many graphs ran."""
+    torch._dynamo.reset()
+    model = _model()
+    calls = [0]
+    compiled = torch.compile(model, backend=_counting(backend, calls), dynamic=False)
+    if rank == 0:
+        model.eval()
+        with torch.no_grad():
+            compiled(_batch(rank, 0, [5, 5], False)[0])
+        model.train()
+    _train_mixed_steps_exactly(model, compiled, rank, world_size)
     return calls[0]
 
 
@@ -379,6 +402,16 @@ def test_a_rank_that_falls_back_to_eager_after_the_recompile_limit_trains_exactl
     """Rank 0 hits Dynamo's recompile limit and runs eagerly beside rank 1's compiled graph: still exact."""
     compiled_steps = run_distributed(_worker_fallback_to_eager, 2, backend, timeout=240, collective_timeout=60)
     assert compiled_steps == [1, 3], compiled_steps  # rank 0 ran its last two steps eagerly, rank 1 all compiled
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_an_evaluation_on_rank_0_alone_before_training_compiled_trains_exactly(backend: str) -> None:
+    """The trace-time check gathers in the compilation of a frame that first traces the group's training calls, on
+    every rank alike, not in the frame's first compilation: before, rank 1 gathered alone at its first compilation
+    (rank 0's was the eval graph's) and both ranks failed at the group's timeout."""
+    graphs = run_distributed(_worker_rank0_evaluates_first, 2, backend, timeout=240, collective_timeout=30)
+    assert graphs[0] >= 4 and graphs[1] >= 3, graphs  # rank 0's eval graph, then every training step compiled
 
 
 _JOB = textwrap.dedent(

@@ -42,14 +42,17 @@ def _world_if_none(group: Optional[Any]) -> Any:
 
 class _Window:
     """Which collectives of one process group the gather checks: every eager one while ``state`` is "open" (the
-    group's first step), none once "closed"; ``seen``: those checked, eager or traced."""
+    group's first step), none once "closed"; ``seen``: those checked, eager or traced; ``first_traces``: by Dynamo
+    frame, the compilation that first traced a synchronized training call of the group (the one whose layers the
+    trace-time check gathers)."""
 
-    __slots__ = ("state", "seen", "first_layer")
+    __slots__ = ("state", "seen", "first_layer", "first_traces")
 
     def __init__(self) -> None:
         self.state = "open"
         self.seen: set[tuple[str, str]] = set()  # (layer identity, direction) of every collective checked
         self.first_layer: Optional[str] = None
+        self.first_traces: dict[int, int] = {}  # frame id -> that frame's compilation that first traced the group
 
     def passed(self, identity: str, direction: str) -> None:
         """Record an eager collective that passed the check, closing the window where the first step ends."""
@@ -209,9 +212,10 @@ def agreement_of(layer: Any) -> LayerAgreement:
 
 def verify_while_tracing(group_name: str, identity: str, forward: str, key: str, description: str) -> Any:
     """The gather check of a layer that ``torch.compile`` traces, run eagerly while Dynamo traces it (marked
-    ``assume_constant_result``: Dynamo keeps only the result). Only a frame's first compilation checks, and only layers
-    the group has not checked (every member traces that before its graph runs a collective; a recompilation on one
-    rank gathers nothing); tracing ends the group's eager first step on this rank.
+    ``assume_constant_result``: Dynamo keeps only the result). Only the compilation of a frame that first traces the
+    group's synchronized training calls checks, and only layers the group has not checked: every member traces that
+    before its graph runs a collective, whatever it compiled of the frame before (an evaluation on one rank first),
+    and a recompilation on one rank gathers nothing. Tracing ends the group's eager first step on this rank.
 
     Args:
         group_name: the process group's name (Dynamo hands groups themselves over as fake objects, names as text).
@@ -233,7 +237,11 @@ def verify_while_tracing(group_name: str, identity: str, forward: str, key: str,
     from torch._guards import CompileContext  # (Dynamo is tracing: loaded)
 
     compile_id = CompileContext.current_compile_id()
-    first_compilation = compile_id is None or compile_id.frame_compile_id == 0
+    if compile_id is None:
+        first_compilation = True
+    else:  # (no frame under compiled autograd: never a first compilation there)
+        frame, number = compile_id.frame_id, compile_id.frame_compile_id
+        first_compilation = frame is not None and window.first_traces.setdefault(frame, number) == number
     if first_compilation and (forward_tag.identity, forward_tag.direction) not in window.seen:
         verify(group, forward_tag, key, description, traced=True)
         window.seen.update({(t.identity, t.direction) for t in (forward_tag, backward_tag)})
