@@ -17,7 +17,7 @@ from .distributed import DistributedTransport
 from .tags import TAG_SIZE, LayerMismatchError, summed_tags_agree
 from .transport import UNREACHABLE
 
-__all__ = ["OPEN_JOINS", "JoinBinding", "JoinSession", "JoinTransport", "not_covered_error"]
+__all__ = ["OPEN_JOINS", "JoinBinding", "JoinSession", "JoinTransport", "NotCoveredByJoinError"]
 
 #: How many enabled torch ``Join`` contexts are open in this process (counted by syncbn_dist.integrations.torch_join):
 #: a synchronized layer that trains over a process group then needs a joinable of its own.
@@ -241,16 +241,17 @@ class JoinTransport:
         return None if self.session.peers_joined else self.session.process_group
 
 
-def not_covered_error(layer: str) -> RuntimeError:
-    """The error of ``layer`` (its description) training over a process group under a ``Join`` that covers it not:
-    raised on every rank at its first such forward, before any collective, since every rank runs the same ``Join``."""
-    error = RuntimeError(
-        f"{layer} trains over a process group inside torch's Join, but no joinable of the Join covers it: once a rank "
-        "runs out of inputs, nobody would answer its collectives. List the joinable of the model that holds it, e.g. "
-        "Join([ddp, syncbn_dist.join_layers(teacher)]) for a second model (docs: the Join guide)"
-    )
-    error.join_not_covered = True  # type: ignore[attr-defined]  (Join's exit joins, then raises it)
-    return error
+class NotCoveredByJoinError(RuntimeError):
+    """A layer (its description) trains over a process group under a ``Join`` that covers it not: raised on every rank
+    at its first such forward, before any collective, since every rank runs the same ``Join``; Join's exit then joins
+    as a rank out of inputs does, and lets it through."""
+
+    def __init__(self, layer: str) -> None:
+        super().__init__(
+            f"{layer} trains over a process group inside torch's Join, but no joinable of the Join covers it: once a "
+            "rank runs out of inputs, nobody would answer its collectives. List the joinable of the model that holds "
+            "it, e.g. Join([ddp, syncbn_dist.join_layers(teacher)]) for a second model (docs: the Join guide)"
+        )
 
 
 class JoinBinding:

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import torch_changes
 from ..comm.distributed import all_gather_bytes
-from ..comm.join_session import OPEN_JOINS, JoinBinding, JoinSession, JoinTransport
+from ..comm.join_session import OPEN_JOINS, JoinBinding, JoinSession, JoinTransport, NotCoveredByJoinError
 from ..comm.tags import LayerMismatchError
 from ..kernels.statistics import moments_of_total
 from ..layer.batchnorm import SyncBatchNorm
@@ -297,7 +297,7 @@ def extend_torch_join() -> None:
         ours = _ours(self)
         # A layer no joinable covers raised before any collective, on every rank that ran it: join as a rank out of
         # inputs does, so a rank that joined before (with no batch at all) leaves the Join too; then raise.
-        not_covered = getattr(value, "join_not_covered", False)
+        not_covered = type is not None and issubclass(type, NotCoveredByJoinError)
         if self._enable and (type is None or not_covered) and not self._throw_on_early_termination:
             for joinable in ours:  # before Join's first collective: the active ranks' next ones need the listeners
                 joinable._start_listeners()

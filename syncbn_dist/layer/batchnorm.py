@@ -24,7 +24,7 @@ from ..comm import (
 )
 from ..comm.agreement import CheckedTransport, LayerAgreement, agreement_of, check_due, verify, verify_while_tracing
 from ..comm.distributed import cached_distributed_transport, process_group_missing
-from ..comm.join_session import OPEN_JOINS, JoinBinding, JoinTransport, not_covered_error
+from ..comm.join_session import OPEN_JOINS, JoinBinding, JoinTransport, NotCoveredByJoinError
 from ..comm.tags import FORWARD, FORWARD_WITHOUT_BACKWARD, NO_TAG, CollectiveTag, layer_tags, traced_tags
 from ..compiler_marks import never_traced
 from ..kernels.tracing import eager_replica_thread, is_compiling, is_recomputing
@@ -256,7 +256,7 @@ class SyncBatchNorm(_BatchNorm):
         if inner is not None and binding is not None and binding.active:  # inside Join (syncbn_dist.join_layers)
             inner = binding.transport
         elif not compiling and inner is not None and OPEN_JOINS[0]:  # (not read while tracing: no guard on it)
-            raise not_covered_error(self._describe())
+            raise NotCoveredByJoinError(self._describe())
         if inner is not None and not compiling:
             agreement = self._agreement  # (None on a torch.nn.SyncBatchNorm before its first check: agreement_of)
             settled = None if agreement is None else agreement.settled
