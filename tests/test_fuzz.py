@@ -188,7 +188,7 @@ def test_the_strategy_draws_every_class_the_table_marks_generated() -> None:
 
 
 @pytest.mark.distributed
-def test_the_check_fails_a_run_off_by_a_little_and_a_mismatch_that_ran_through() -> None:
+def test_the_check_fails_a_run_off_by_a_little_a_mismatch_that_ran_through_and_a_buffer_it_changed() -> None:
     agreeing = _two((A, Step("eval", "b")), (A, Step("eval", "b")), momentum=None)
     run = run_program(agreeing)
     assert problems(run) == [], problems(run)
@@ -198,8 +198,11 @@ def test_the_check_fails_a_run_off_by_a_little_and_a_mismatch_that_ran_through()
     record.buffers["heads.a.1"][1][0] += 1e-6
     found = problems(run)
     assert len(found) == 3 and all(p.startswith("wrong numbers:") for p in found), found
-    parted = run_program(_two((A,), (B,)))
+    parted = run_program(_two((A, B), (A, A)))  # the heads' forwards part in the second step
     assert problems(parted) == [], problems(parted)
+    assert parted.records[1].outcome == LAYER_MISMATCH  # type: ignore[index]
+    parted.records[1].buffers["stem.1"][2].add_(1)  # type: ignore[index]  (as if the failed step counted)
+    assert problems(parted) == ["buffers changed by the failed call: rank 1 stem.1.num_batches_tracked off by 1"]
     parted.records[0] = run.records[0]  # type: ignore[index]
     assert any(p.startswith("no error: rank 0") for p in problems(parted)), problems(parted)
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .oracle import ABORT, EXACT, HANG, RAISE, Verdict
+from .oracle import ABORT, EXACT, HANG, LAYER_MISMATCH, RAISE, Verdict, collectives
 from .programs import Program, norm_layers, plain_model, step_input
 from .runner import RankRecord, Run, timeouts
 
@@ -73,6 +73,28 @@ def expected_steps(program: Program, members: tuple[int, ...]) -> tuple[dict[int
         for name, m in norm_layers(reference).items()
     }
     return expected, buffers
+
+
+def buffers_before_parting(program: Program, members: tuple[int, ...], position: int) -> dict[str, tuple[Tensor, ...]]:
+    """Each layer's buffers after the collectives before ``position`` (where the group's members part): the failed call
+    leaves them as they were before it (docs/troubleshooting.md), so they count the training forwards, and within the
+    failing step the layers, whose forward collective came before it."""
+    reference = plain_model(program)
+    trains = {r: [i for i, s in enumerate(program.steps[r]) if s.trains] for r in members}
+    updated: dict[int, list[str]] = {}  # the group's training forward -> the layers it updated, in order
+    for event in collectives(program, members[0])[:position]:
+        if event.kind == "layer" and event.tracked:
+            updated.setdefault(event.forward, []).append(event.layer)
+    with torch.no_grad():
+        for k, layers in sorted(updated.items()):
+            h = reference.stem[0](torch.cat([step_input(program, r, trains[r][k])[0] for r in members]))
+            h = reference.stem[1](h)  # the stem's forward is a forward's first collective
+            if len(layers) > 1:
+                reference.heads[layers[1]](h)
+    return {
+        name: (m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
+        for name, m in norm_layers(reference).items()
+    }
 
 
 def _max_diff(actual: Tensor, expected: Tensor) -> Optional[float]:
@@ -155,12 +177,47 @@ def problems(run: Run) -> list[str]:
             found.append(f"wrong error: rank {rank} raised {_describe(record)} (expected {' or '.join(allowed)})")
         elif record.elapsed_s > run_limit(run):
             found.append(f"slow error: rank {rank} raised after {record.elapsed_s:.1f} s: {_describe(record)}")
-    if verdict.outcome in (ABORT, HANG) and all(record.outcome == "ok" for record in records):
-        found.append(f"ran through: documented as not caught ({verdict.outcome}), but every rank ran to the end")
+    if verdict.outcome in (ABORT, HANG):
+        found += _not_caught(verdict, records)
     for members in program.groups():
         if all(not verdict.errors.get(r) and records[r].outcome == "ok" for r in members):
             found += _exact(program, members, records)
+        elif _buffers_checked(program, verdict, members, records):
+            expected = buffers_before_parting(program, members, verdict.parted_at[members])
+            for r in members:
+                for name, values in expected.items():
+                    for label, actual, reference in zip(BUFFERS, records[r].buffers[name], values):
+                        if _max_diff(actual, reference) is not None:
+                            found.append(
+                                f"buffers changed by the failed call: rank {r} {name}.{label} off by "
+                                f"{_max_diff(actual, reference):.3g}"
+                            )
     return found
+
+
+def _not_caught(verdict: Verdict, records: list[RankRecord]) -> list[str]:
+    """A class the page lists as not caught, whose ranks all reported: some rank must have met the documented failure
+    (the group's timeout or a peer's lost connection; for an abort, any gloo error), and not every one been caught."""
+    parted = [records[r] for r, errors in verdict.errors.items() if errors and errors[0] in (ABORT, HANG)]
+    if all(record.outcome == "ok" for record in parted):
+        return [f"ran through: documented as not caught ({verdict.outcome}), but every rank ran to the end"]
+    if all(record.raised(LAYER_MISMATCH) for record in parted):
+        return [f"caught: documented as not caught ({verdict.outcome}), but every rank raised LayerMismatchError"]
+    if verdict.outcome == HANG and not any(record.timeout for record in parted):
+        return [f"wrong failure: documented as waiting for the group's timeout: {_describe(parted[0])}"]
+    return []
+
+
+def _buffers_checked(program: Program, verdict: Verdict, members: tuple[int, ...], records: list[RankRecord]) -> bool:
+    """Whether the group's buffers after its caught mismatch are checked: every member raised its expected error, not
+    under Join (a joined rank's buffers follow the active ones' by another path) nor torch.compile (the graph is the
+    failed call: it writes no buffer)."""
+    if verdict.outcome != RAISE or members not in verdict.parted_at or program.join or any(program.compile):
+        return False
+    return all(
+        records[r].outcome != "ok" and not records[r].timeout and any(records[r].raised(e) for e in verdict.errors[r])
+        for r in members
+    )
 
 
 def run_limit(run: Run) -> float:

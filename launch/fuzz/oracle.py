@@ -21,6 +21,7 @@ switched back on when its fix lands.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -78,9 +79,14 @@ AGREE = "same-collectives"
 #: The classes found that the library does not meet yet, each with why; :func:`decide` names those a program is in.
 KNOWN_OPEN: dict[str, str] = {
     "identity-by-width": "layers built directly are named by class and width: heads a and b (and the stem) of one "
-    "width are one layer to the checks, so ranks at different ones mix statistics (issue 59, item 2)",
+    "width are one layer to the checks, so ranks at different ones mix statistics; under torch.compile the trace-time "
+    "check then gathers at another number of layers on each rank, and they wait for the group's timeout, whatever "
+    "differs (issue 59, item 2)",
     "hybrid-replicas": "DataParallel replicas on some processes only: the replica exchange's and the process group's "
     "backward payloads carry one tag (issue 59, item 3)",
+    "join-skipped-backward": "under Join, a rank that skips a backward (in a step, or its last): the next forward's "
+    "header, or Join's exit, meets the peers' backward collective, and every rank waits for the group's timeout "
+    "(without Join: caught on every rank)",
     "join-wrapper": "join_layers(model) while a wrapper of the model (DataParallelWithCallback, torch.compile) runs: "
     "the joinable's forward hook does not fire (issue 59, item 5)",
 }
@@ -96,6 +102,10 @@ class Collective:
     direction: str = ""
     width: int = 0
     identity: str = ""  # what the library's checks call the layer (its tag): its qualified name, or class and width
+    # Which of the rank's training forwards it belongs to, and whether it updates the layer's running statistics (a
+    # training forward's, not a recomputation's): not compared, since ranks that agree may number steps otherwise.
+    forward: int = field(default=-1, compare=False)
+    tracked: bool = field(default=False, compare=False)
 
     def __repr__(self) -> str:
         return "header" if self.kind == "header" else f"{self.layer}:{self.direction}"
@@ -112,6 +122,7 @@ class Verdict:
         errors: by rank, the names of the errors the rank may raise (empty: it runs to the end, exactly).
         open: the :data:`KNOWN_OPEN` classes the program is in.
         detail: where the ranks part and how, for the report.
+        parted_at: by group (its ranks), the position in :func:`collectives` where its members part.
     """
 
     row: str
@@ -119,6 +130,7 @@ class Verdict:
     errors: dict[int, tuple[str, ...]] = field(default_factory=dict)
     open: tuple[str, ...] = ()
     detail: str = ""
+    parted_at: dict[tuple[int, ...], int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -132,8 +144,8 @@ def _identity(program: Program, layer: str) -> str:
     return layer
 
 
-def _layer(program: Program, name: str, direction: str) -> Collective:
-    return Collective("layer", name, direction, WIDTHS[name], _identity(program, name))
+def _layer(program: Program, name: str, direction: str, forward: int = -1, tracked: bool = False) -> Collective:
+    return Collective("layer", name, direction, WIDTHS[name], _identity(program, name), forward, tracked)
 
 
 def collectives(program: Program, rank: int) -> list[Collective]:
@@ -143,17 +155,15 @@ def collectives(program: Program, rank: int) -> list[Collective]:
     collective over a process group; DataParallel replicas replay it), then the head's backward and the stem's."""
     events: list[Collective] = []
     replicas = program.replicas[rank] > 1
-    for step in program.steps[rank]:
-        if not step.trains:
-            continue
+    for k, step in enumerate(s for s in program.steps[rank] if s.trains):
         if program.join and not program.join_throw:
-            events.append(Collective("header"))
+            events.append(Collective("header", forward=k))
         direction = FORWARD if step.kind == "train" else NO_GRAD_FORWARD
-        events += [_layer(program, "stem", direction), _layer(program, step.branch, direction)]
+        events += [_layer(program, "stem", direction, k, True), _layer(program, step.branch, direction, k, True)]
         if step.has_backward:
             if step.checkpoint and not replicas:
-                events.append(_layer(program, step.branch, FORWARD))
-            events += [_layer(program, step.branch, BACKWARD), _layer(program, "stem", BACKWARD)]
+                events.append(_layer(program, step.branch, FORWARD, k))
+            events += [_layer(program, step.branch, BACKWARD, k), _layer(program, "stem", BACKWARD, k)]
     return events
 
 
@@ -188,11 +198,14 @@ class _Parting:
     open: tuple[str, ...] = ()
 
 
+SKIPPED = ("join-skipped-backward",)
+
+
 def _differing(program: Program, events: set[Collective], first_step: bool) -> tuple[str, tuple[str, ...]]:
     """The row of differing collectives at one position, and the open classes it meets."""
     kinds = {e.kind for e in events}
     if len(kinds) > 1:  # a Join header against a layer's collective: a rank skipped a backward, its peer did not
-        return "forward-meets-backward", ()
+        return "forward-meets-backward", SKIPPED
     if len({e.width for e in events}) > 1:
         return ("other-width-first-step" if first_step else "other-width-later"), ()
     directions = {e.direction for e in events}
@@ -226,7 +239,7 @@ def _walk(program: Program, members: tuple[int, ...]) -> Optional[_Parting]:
         just_joined = any(position == len(sequences[r]) for r in joined)
         if just_joined and any(e.kind != "header" for e in events):
             # A rank ended inside a step (without its last backward): the others' backward meets a joined rank.
-            return _Parting("forward-meets-backward", position, active, joined, announced, here)
+            return _Parting("forward-meets-backward", position, active, joined, announced, here, SKIPPED)
         if len(events) > 1:
             row, open_ = _differing(program, events, window.open)
             if announced and "identity-by-width" in open_:  # the announcement numbers each layer: caught
@@ -251,6 +264,7 @@ def decide(program: Program) -> Verdict:
     if program.join and program.join_target == "model" and wrapped:
         open_.append("join-wrapper")
     errors: dict[int, tuple[str, ...]] = {}
+    parted_at: dict[tuple[int, ...], int] = {}
     verdict_row, outcome, details = AGREE, EXACT, []
     for members in program.groups():
         if len(members) < 2 or not any(collectives(program, r) for r in members):
@@ -268,6 +282,8 @@ def decide(program: Program) -> Verdict:
             if program.compile[members[0]] and _eval_first_on_some(program, members):
                 verdict_row = "compiled-eval-first" if verdict_row == AGREE else verdict_row
             continue
+        if program.naming == "direct" and program.compile[members[0]] and "identity-by-width" not in parting.open:
+            parting = dataclasses.replace(parting, open=(*parting.open, "identity-by-width"))
         row = TABLE[parting.row]
         group_outcome = row.debug if program.debug else row.default
         if parting.announced and parting.row != "join-throw":
@@ -282,9 +298,10 @@ def decide(program: Program) -> Verdict:
             else:
                 errors[rank] = (group_outcome,)
         details.append(f"group {list(members)} parts at {parting.detail}")
+        parted_at[members] = parting.position
         if verdict_row in (AGREE, "compiled-eval-first"):
             verdict_row, outcome = parting.row, group_outcome
-    return Verdict(verdict_row, outcome, errors, tuple(open_), "; ".join(details) or "the ranks agree")
+    return Verdict(verdict_row, outcome, errors, tuple(open_), "; ".join(details) or "the ranks agree", parted_at)
 
 
 def _eval_first_on_some(program: Program, members: tuple[int, ...]) -> bool:

@@ -282,14 +282,15 @@ def programs(draw: Any, include: frozenset[str] = FEATURES) -> Program:
     naming = "direct" if "direct" in include and _chance(draw, 20) else "convert"
     momentum = draw(st.sampled_from([0.1, None]))
     debug = "debug" in include and _chance(draw, 15)
-    group_size = 0
-    if "subgroups" in include and _chance(draw, 20):
-        group_size = draw(st.sampled_from([1, world_size]))
     join, join_target, join_throw = "", "runner", False
     if "join" in include and _chance(draw, 30):
         join = _weighted(draw, [("layers", 3)] + ([("ddp", 1), ("ddp+layers", 2)] if "ddp" in include else []))
         join_target = _weighted(draw, [("runner", 3), ("model", 1)])
         join_throw = _chance(draw, 15)
+    group_size = 0
+    # Not under Join: DDP broadcasts buffers over the world (each step, and the last joiner's at the Join's end).
+    if "subgroups" in include and not join and _chance(draw, 20):
+        group_size = draw(st.sampled_from([1, world_size]))
     compiled = ""
     if "compile" in include and not join and _chance(draw, 8):  # seconds each: rarely
         compiled = draw(st.sampled_from(COMPILE_BACKENDS))

@@ -47,7 +47,7 @@ class RankRecord:
         outcome: "ok", or the name of the error's type.
         chain: the error's chain, (type name, first 600 characters of the message) from the outermost.
         types: the names of every error type in the chain and of their base classes.
-        timeout: whether the error is the group's timeout (or a lost peer's connection).
+        timeout: whether the error is the group's timeout (or a peer's lost connection).
         elapsed_s: seconds from the start of the step (or of Join's exit) to the error.
         where: the step index the error came from, or "join exit".
         steps: by step index, the step's tensors ("out", "grad_input", "grads": name -> tensor).
@@ -158,7 +158,9 @@ def run_rank(rank: int, world_size: int, program: Program, timeout_s: float) -> 
         record.chain = [(type(e).__name__, str(e)[:600]) for e in chain]
         record.types = {cls.__name__ for e in chain for cls in type(e).__mro__}
         record.outcome = record.chain[0][0]
-        record.timeout = any(text in message for _, message in record.chain for text in TIMEOUT_TEXTS)
+        # The outermost error's text (a compiled graph's error quotes its cause's): an error raised on time may carry
+        # a peer's lost connection as its context.
+        record.timeout = any(text in record.chain[0][1] for text in TIMEOUT_TEXTS)
     finally:
         syncbn_dist.set_debug(False)
     if model is not None:
