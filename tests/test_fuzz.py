@@ -254,6 +254,7 @@ def test_make_fuzz_rejects_a_bad_config_with_exit_code_2(override: str, capsys: 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.over_budget("the fuzzer's fixed-seed part: about 100 programs on gloo ranks, two minutes")
+@pytest.mark.timeout(900)  # room for hypothesis to shrink a failure: each rerun may wait for the group's timeout
 @settings(
     max_examples=FIXED_PROGRAMS,
     derandomize=True,
@@ -266,8 +267,8 @@ def test_make_fuzz_rejects_a_bad_config_with_exit_code_2(override: str, capsys: 
 def test_rank_divergent_programs_do_what_the_oracle_says(program: Program) -> None:
     """Each program of a fixed seed, less those of the oracle's KNOWN_OPEN classes and those the page lists as not
     caught (they abort a rank or wait for the group's timeout): its ranks do what the oracle says. A failure prints
-    the shrunk program as a script (python it from the repository root). Two minutes: the budget issue 59 gives the
-    suite's part of the fuzzer; ``make fuzz`` runs more."""
+    the shrunk program as a script (run it from the repository root with the venv's python). Two minutes: the budget
+    issue 59 gives the suite's part of the fuzzer; ``make fuzz`` runs more."""
     verdict = decide(program)
     assume(selected(verdict))
     found = problems(run_program(program))
