@@ -170,6 +170,8 @@ def test_the_oracle_marks_the_known_open_classes() -> None:
     parting = decide(_two((*no_grad_first, C_), (*no_grad_first, A), compile=("eager",) * 2))
     assert (parting.row, parting.open) == ("other-width-first-step", ("compiled-first-step-recompiled",))
     assert decide(_two((*no_grad_first, C_), (*no_grad_first, A))).open == ()  # eagerly: caught
+    assert decide(_two((A,), (A,), compile=("", "eager"), debug=True)).open == ("debug-compiled-beside-eager",)
+    assert decide(_two((A,), (A,), compile=("", "eager"))).open == ()
     assert not selected(decide(_two((A,), (B,), naming="direct")))
     assert selected(decide(_two((A,), (B,), naming="direct")), known_open=True)
     assert not selected(decide(_two((A, C_), (A, A))))  # gloo aborts: only with not_caught

@@ -88,6 +88,8 @@ KNOWN_OPEN: dict[str, str] = {
     "tensor (an int64 tensor divided by a float): from the third training forward the running statistics are off by "
     "up to 3e-8 relative (syncbn_dist/layer/batchnorm.py, _momentum_factor); eager and plain BatchNorm compiled are "
     "exact",
+    "debug-compiled-beside-eager": "in debug mode, one rank compiles the model beside an eager one: every rank "
+    "waits for the group's timeout at the first forward (without debug mode: caught there, on every rank)",
     "compiled-first-step-recompiled": "under torch.compile, the first step's gather runs in the compilation that "
     "first traces the group's training calls only: layers of other widths met in a recompilation within the first "
     "step (a training forward after a no_grad one) are not gathered, and gloo aborts, as after the first step",
@@ -281,11 +283,9 @@ def decide(program: Program) -> Verdict:
             continue
         compiled = {bool(program.compile[r]) for r in members}
         if len(compiled) > 1:
-            parting: Optional[_Parting] = _Parting(
-                "compiled-beside-eager", 0, members, (), False, "ranks " + ", ".join(
-                    f"{r} {program.compile[r] or 'eager'}" for r in members
-                )
-            )
+            how = ", ".join(f"rank {r} {_mode(program.compile[r])}" for r in members)
+            debug_open = ("debug-compiled-beside-eager",) if program.debug else ()
+            parting: Optional[_Parting] = _Parting("compiled-beside-eager", 0, members, (), False, how, debug_open)
         else:
             parting = _walk(program, members)
         if parting is None:
@@ -318,6 +318,10 @@ def decide(program: Program) -> Verdict:
         if verdict_row in (AGREE, "compiled-eval-first"):
             verdict_row, outcome = parting.row, group_outcome
     return Verdict(verdict_row, outcome, errors, tuple(open_), "; ".join(details) or "the ranks agree", parted_at)
+
+
+def _mode(backend: str) -> str:
+    return f"compiled ({backend})" if backend else "eager"
 
 
 def _eval_first_on_some(program: Program, members: tuple[int, ...]) -> bool:
