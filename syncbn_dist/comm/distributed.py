@@ -141,7 +141,13 @@ class DistributedTransport:
         """
         # torch's process-wide flag, not kernels.tracing's: the functional collective is the same sum, eagerly too.
         if torch.compiler.is_compiling():
-            return all_reduce_sum(tensor, self.group_name)
+            total = all_reduce_sum(tensor, self.group_name)
+            if tag is None:
+                return total
+            # Traced by compiled autograd (the backward of an eager forward): the check as an op of its graph.
+            from .tags import checked_in_graph, traced_tag  # (tags imports this module)
+
+            return checked_in_graph(total, traced_tag(tag), self.group_name, backward=True)
         group = self.process_group
         if group is None:
             group = dist.group.WORLD

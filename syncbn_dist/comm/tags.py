@@ -38,6 +38,7 @@ __all__ = [
     "summed_tags_agree",
     "tag_for",
     "traced_constants",
+    "traced_tag",
     "traced_tags",
 ]
 
@@ -170,6 +171,12 @@ NO_TAG = TracedTag(-1, (1.0, 0.0, 0.0, 0.0, 0.0), "")
 def traced_constants(tag: CollectiveTag) -> tuple[Any, ...]:
     """``tag`` as the constants a trace-time function returns: ``(index, *values, name)``."""
     return (tag.index, *tag.values, f"{tag.description}: {tag.direction}")
+
+
+def traced_tag(tag: CollectiveTag) -> TracedTag:
+    """``tag`` as a :class:`TracedTag`."""
+    index, *values, name = traced_constants(tag)
+    return TracedTag(index, tuple(values), name)
 
 
 def traced_tags(constants: tuple[Any, ...]) -> tuple[TracedTag, TracedTag]:
