@@ -103,6 +103,7 @@ class DistributedTransport:
 
     name = "distributed"
     differentiable_exchange = False
+    exchange_name = "process group"
 
     def __init__(self, process_group: Optional[Any] = None) -> None:
         self.process_group = process_group

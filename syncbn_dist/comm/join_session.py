@@ -206,6 +206,7 @@ class JoinTransport:
 
     name = "distributed"
     differentiable_exchange = False
+    exchange_name = "Join session"
     # The controls that announce each collective to the joined ranks run in Python: no traced region can send them.
     group_name = UNREACHABLE
 
@@ -224,7 +225,7 @@ class JoinTransport:
         """:meth:`DistributedTransport.sum_` on the session's group, announced to the joined ranks (who add zeros, so
         their tag counts nothing), then ``tag`` verified."""
         tracked_forward, self._tracked_forward = self._tracked_forward, False
-        what = "" if tag is None else f"{tag.description}: {tag.direction}"
+        what = "" if tag is None else f"{tag.description}: {tag.where}"
         self.session.announce(self.layer, tensor, tracked_forward, what)
         total = self.session.transport.sum_(tensor)
         if tag is not None:
