@@ -8,6 +8,7 @@ what else the process built; kept by DataParallel replicas and deep copies.
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 from torch import nn
@@ -108,3 +109,11 @@ def test_errors_name_a_layer_by_its_path(built: str) -> None:
     layer = next(m for m in model.modules() if isinstance(m, syncbn_dist.SyncBatchNorm))
     expected = "heads.0.1" if built == "directly" else "0"
     assert layer._describe() == f"layer '{expected}' (SynchronizedBatchNorm1d)"
+
+
+def test_a_plain_model_pickled_whole_loads_without_syncbn_dist() -> None:
+    """Every module built after the import holds its links; a pickle holds none of syncbn_dist's classes."""
+    model = nn.Sequential(nn.Linear(C, C), nn.BatchNorm1d(C))
+    data = pickle.dumps(model)
+    assert b"syncbn_dist." not in data
+    assert pickle.loads(data)[1].__dict__["_syncbn_dist_parents"] == []

@@ -37,25 +37,31 @@ class _ParentLink:
         self.parent = weakref.ref(parent)
         self.name = name
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Optional[_ParentLink]:
-        # A deep copy of the parent is made before its children (deepcopy memoizes it first): link to that copy. A
-        # child copied alone has no parent.
-        parent = self.parent()
-        copied = None if parent is None else memo.get(id(parent))
-        return None if copied is None else _ParentLink(copied, self.name)
+
+class _Links(list):  # type: ignore[type-arg]
+    """A module's parent links, in the order made. A deep copy links to the copied parents (``copy.deepcopy`` makes a
+    parent before its children); a pickle holds none and loads as a plain empty list, so a model saved whole loads
+    where syncbn_dist is not installed (``convert_model`` links a loaded model again)."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Links:
+        copied = memo[id(self)] = _Links()
+        for link in self:
+            parent = link.parent()
+            parent_copy = None if parent is None else memo.get(id(parent))
+            if parent_copy is not None:
+                copied.append(_ParentLink(parent_copy, link.name))
+        return copied
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return (_no_link, ())  # a pickle holds no parent (convert_model and join_layers link a loaded model again)
+        return (list, ())
 
 
-def _no_link() -> None:
-    return None
-
-
-def _links(module: nn.Module) -> list[Optional[_ParentLink]]:
+def _links(module: nn.Module) -> list[_ParentLink]:
     links = module.__dict__.get(_PARENTS)
-    if links is None:
-        links = module.__dict__[_PARENTS] = []
+    if not isinstance(links, _Links):  # (none yet, or a plain list from a pickle)
+        links = module.__dict__[_PARENTS] = _Links()
     return links
 
 
@@ -65,7 +71,7 @@ def _record(parent: nn.Module, name: str, child: Optional[nn.Module]) -> None:
     if child is None or not isinstance(child, nn.Module):
         return
     links = _links(child)
-    links[:] = [link for link in links if link is not None and link.parent() is not None]
+    links[:] = [link for link in links if link.parent() is not None]
     if not any(link.parent() is parent and link.name == name for link in links):
         links.append(_ParentLink(parent, name))
 
@@ -81,10 +87,10 @@ def record_parents(root: nn.Module) -> None:
             _record(parent, name, child)
 
 
-def _holds(link: Optional[_ParentLink], links: list[Optional[_ParentLink]]) -> Optional[nn.Module]:
+def _holds(link: _ParentLink, links: list[_ParentLink]) -> Optional[nn.Module]:
     """The parent of ``link`` if it still holds, at its name, the module whose links are ``links`` (the module itself,
     or a DataParallel replica's original: they share their links), else None."""
-    parent = None if link is None else link.parent()
+    parent = link.parent()
     if parent is None:
         return None
     child = parent._modules.get(link.name)
