@@ -11,6 +11,7 @@ import copy
 import pickle
 
 import pytest
+import torch
 from torch import nn
 
 import syncbn_dist
@@ -64,12 +65,16 @@ def test_what_else_the_process_built_changes_nothing() -> None:
     assert extra  # (kept alive while the model is built)
 
 
-def test_a_wrapper_built_later_is_part_of_the_structure_on_every_rank_alike() -> None:
-    wrapped = [syncbn_dist.DataParallelWithCallback(_TwoHeads(), cpu_replicas=2) for _ in range(2)]
-    names = [_identities(w.module) for w in wrapped]
-    assert names[0] == names[1]
-    assert names[0] != _identities(_TwoHeads())  # the wrapper is the outermost module now
-    assert all(identity.endswith(":module." + name) for name, identity in names[0].items()), names[0]
+def test_torchs_wrappers_are_no_part_of_a_layers_place() -> None:
+    """A rank may wrap the model where another does not (torch.compile for a validation on rank 0): DataParallel and
+    torch.compile's module leave the identities as they are; another container does not."""
+    alone = _identities(_TwoHeads())
+    parallel = syncbn_dist.DataParallelWithCallback(_TwoHeads(), cpu_replicas=2)
+    compiled = torch.compile(_TwoHeads())
+    assert _identities(parallel.module) == alone
+    assert _identities(compiled._orig_mod) == alone
+    held = nn.Sequential(_TwoHeads())
+    assert all(identity.endswith(":0." + name) for name, identity in _identities(held[0]).items())
 
 
 def test_data_parallel_replicas_name_their_layers_as_the_original_does() -> None:

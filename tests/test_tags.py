@@ -300,7 +300,8 @@ def test_two_models_converted_separately_are_told_apart() -> None:
 
 def _worker_extra_models(rank: int, world_size: int) -> None:
     """Rank 0 builds more models than the others before the one they train, and in another order (a deep copy, a
-    model of another structure): every rank names the trained model's layers alike, and the steps are exact."""
+    model of another structure), and wraps the trained one in torch.compile for a validation it never runs: every rank
+    names the trained model's layers alike, and the steps are exact."""
     for built in BUILDS:
         if built == "torch's class":
             syncbn_dist.patch_torch_sync_batchnorm()
@@ -311,6 +312,8 @@ def _worker_extra_models(rank: int, world_size: int) -> None:
                 extra = [_gan(group), _Heads(group, built)]
                 extra.append(copy.deepcopy(extra[0][0]))
             model = _Heads(group, built)
+            if rank == 0:
+                extra.append(torch.compile(model))
             _agreeing_steps(model, model, rank, world_size, 2)
         finally:
             syncbn_dist.unpatch_torch_sync_batchnorm()

@@ -300,10 +300,7 @@ class SyncBatchNorm(_BatchNorm):
         collective checks itself"). A layer no name was given (built directly) takes its path as its name in errors."""
         if compiling:
             return identity_while_tracing(self._module())
-        identity = layer_identity(self)
-        if self.__dict__.get("_qualified_name") is None:
-            self.__dict__["_qualified_name"] = identity.split(":", 1)[1]
-        return identity
+        return layer_identity(self)
 
     def _module(self) -> nn.Module:
         """The module this layer's state belongs to (itself; a patched torch layer's view: the torch layer)."""

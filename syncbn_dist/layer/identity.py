@@ -4,9 +4,9 @@ every rank for the same layer whoever built it (docs/design.md, "Every collectiv
 torch's global module-registration hook records, for every module assigned into another, its parent and its name
 there (``_PARENTS`` in the child's ``__dict__``, which DataParallel replicas share and ``copy.deepcopy`` maps to the
 copied parent). A layer's identity, read at its first synchronized call, is its path from the outermost module above
-it and a fingerprint of that module's structure (every submodule's name, class and width): two places in one model
-differ by path, two models of different structure (a GAN's generator and discriminator) by fingerprint. What still
-collides, a model and its exact copy: docs/design.md.
+it (below torch's wrappers: DDP, DataParallel, ``torch.compile``) and a fingerprint of that module's structure (every
+submodule's name, class and width): two places in one model differ by path, two models of different structure (a
+GAN's generator and discriminator) by fingerprint. What still collides, a model and its exact copy: docs/design.md.
 """
 
 from __future__ import annotations
@@ -97,8 +97,17 @@ def _holds(link: _ParentLink, links: list[_ParentLink]) -> Optional[nn.Module]:
     return parent if child is not None and child.__dict__.get(_PARENTS) is links else None
 
 
+def _wraps(parent: nn.Module) -> bool:
+    """Whether ``parent`` is one of torch's wrappers, which a rank may add or leave out without changing the model (a
+    compilation or a validation copy on one rank): DistributedDataParallel, DataParallel, ``torch.compile``'s module."""
+    return isinstance(parent, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or (
+        type(parent).__module__ == "torch._dynamo.eval_frame"
+    )
+
+
 def _place(layer: nn.Module) -> tuple[nn.Module, str]:
-    """The outermost module above ``layer`` through its first live links, and ``layer``'s path from it."""
+    """The outermost module above ``layer`` through its first live links, below any of torch's wrappers, and
+    ``layer``'s path from it."""
     names: list[str] = []
     module, seen = layer, {id(layer)}
     while True:
@@ -109,7 +118,7 @@ def _place(layer: nn.Module) -> tuple[nn.Module, str]:
             if parent is not None:
                 name = link.name
                 break
-        if parent is None or id(parent) in seen:
+        if parent is None or id(parent) in seen or _wraps(parent):
             return module, ".".join(reversed(names))
         names.append(name)
         seen.add(id(parent))
@@ -135,6 +144,8 @@ def layer_identity(layer: nn.Module) -> str:
     ``convert_model``) and whatever else the process built; distinct for two places of one model and for two models of
     different structure.
 
+    A layer that nothing named (``_qualified_name``, set by ``convert_model``) takes its path as its name in errors.
+
     Args:
         layer: a synchronized layer (or a DataParallel replica of one).
 
@@ -142,6 +153,8 @@ def layer_identity(layer: nn.Module) -> str:
         The identity, short text.
     """
     root, path = _place(layer)
+    if layer.__dict__.get("_qualified_name") is None:
+        layer.__dict__["_qualified_name"] = path
     return f"{_fingerprint(root)}:{path}"
 
 
