@@ -106,6 +106,8 @@ def _train_uneven(rank: int, world_size: int, counts: list[int], setup: dict[str
         joinable = join_layers(wrapped if setup.get("join_outer") else net if setup.get("join_inner") else model)
         joinables = [joinable, wrapped] if setup.get("ours_first") else [wrapped, joinable]
     forward = _children_in_turn(net) if setup.get("children") else wrapped
+    if setup.get("compile"):  # the layers run eagerly inside the compiled function (a graph break each)
+        forward = torch.compile(forward, backend="eager")
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     # Copies and pickles of the model (an EMA copy, torch.save) leave the Join behind and are plain layers.
     copy.deepcopy(model).train()(torch.randn(2, 3, 3, 2))
@@ -273,6 +275,7 @@ def test_uneven_batch_counts_under_join_equal_batchnorm_on_the_active_ranks_unio
         # The model's children called in turn: no forward of the model.
         ([1, 3], {"ddp": False, "children": True}),
         ([2, 0, 3], {"ddp": False, "children": True, "momentum": None}),
+        ([1, 3], {"ddp": False, "children": True, "compile": True}),
         # ddp.eval(), then ddp.module.train(): the layers train, the DDP model is in eval mode.
         ([3, 1], {"ddp": True, "ddp_alone": True, "module_train": True}),
         ([2, 0, 3], {"ddp": True, "module_train": True}),
@@ -284,12 +287,14 @@ def test_uneven_batch_counts_under_join_equal_batchnorm_on_the_active_ranks_unio
         "dataparallel-inner-2-0-3",
         "children-1-3",
         "children-2-0-3-cumulative",
+        "children-compiled-1-3",
         "ddp-eval-module-train-3-1",
         "ddp-eval-module-train-2-0-3",
     ],
 )
 def test_joinables_serve_whichever_wrapper_or_child_runs_exactly(counts: list[int], setup: dict) -> None:
-    """The module that runs is not the one the joinable was built from: a replica, a child, a wrapper in another mode.
+    """The module that runs is not the one the joinable was built from: a replica, a child (in a compiled function
+    too), a wrapper in another mode.
     Every step still equals float64 BatchNorm on the active ranks' union (the layers start each step's header
     themselves); a rank that runs a step without it would wait for the 10 s collective timeout, or abort on gloo's
     size check."""
@@ -416,6 +421,50 @@ def test_a_step_that_starts_at_another_layer_than_the_step_before_is_served_exac
     for rank in range(2):
         for i, (s, e) in enumerate(zip(results[rank]["stats"], _running_stats(reference))):
             assert_close(s, e, f"running statistic {i}, rank {rank}", **TOLERANCE)
+
+
+class _Twice(nn.Module):
+    """Layers ``a`` and ``b`` of one width; at step ``parting`` (counted by ``calls``) rank 0 runs ``a`` twice, the
+    others ``b`` twice, inside the model's forward."""
+
+    def __init__(self, parting: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+        self.parting, self.calls = parting, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls - 1 != self.parting:
+            return self.b(self.a(x))
+        return self.b(self.a(self.a(x))) if dist.get_rank() == 0 else self.b(self.b(self.a(x)))
+
+
+def _twice_worker(rank: int, world_size: int, counts: list[int], parting: int) -> dict[str, Any]:
+    import time
+
+    model = convert_model(_Twice(parting))
+    steps, error = 0, None
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        with Join([join_layers(model)]):
+            for x, _ in _batches(rank, counts):
+                model(x[:, :3].float()).sum().backward()
+                steps += 1
+    except Exception as caught:  # noqa: BLE001 - reported to the parent, which checks every rank's
+        error = caught
+    return {"error": type(error).__name__, "steps": steps, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("parting", [0, 1], ids=["first step", "a later step"])
+def test_ranks_that_call_a_layer_more_often_inside_the_models_forward_raise_on_every_rank(parting: int) -> None:
+    """Our joinable alone: a forward of the model starts each step's header, whatever runs inside it, so ranks that
+    part there meet at their layers' collectives, whose check (the first step) or tags (later) raise on every rank
+    within seconds (a header on one rank against a payload on another would wait for the 10 s timeout)."""
+    results = run_distributed(_twice_worker, 2, [3, 3], parting, timeout=60, collective_timeout=10)
+    for rank, result in enumerate(results):
+        assert result["error"] == "LayerMismatchError", (rank, result)
+        assert result["steps"] == parting and result["seconds"] < 8.0, (rank, result)
 
 
 def _count_worker(rank: int, world_size: int) -> list[dict[str, int]]:

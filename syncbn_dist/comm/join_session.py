@@ -213,21 +213,26 @@ class HeaderSchedule:
     """When the layers of one joinable send the next header, on an active rank: at a synchronized training call.
 
     A rank joins between two steps of the loop, so the header (:meth:`JoinSession.header`) must come before the first
-    synchronized collective of every step; one more costs a small all-reduce. Whichever module runs (the model, a
-    wrapper of it, its DataParallel replicas, its children called one by one), the layers see every call, and every
-    active rank makes the same calls; so every active rank finds a header due at the same calls, from:
+    synchronized collective of every step; one more costs a small all-reduce. The layers see every call, whichever
+    module runs them (the model, a wrapper of it, its DataParallel replicas, its children called one by one), and
+    every active rank makes the same calls, so every active rank finds a header due at the same calls, from:
 
     - the first call in the ``Join``;
     - ``Join``'s per-step notification since the last header (:data:`NOTIFICATIONS`), which DDP sends in its forward;
-    - where no other joinable sends it (``by_layers``: ours are the first of the ``Join``): a layer whose forward
-      already ran since the last header (the next step's first forward), or a backward collective since the last
-      header (the end of a step).
+    - a forward of the model the joinable was built from (itself, not a replica) started since the last header;
+    - where no other joinable notifies (``by_layers``: ours are the first of the ``Join``), outside a forward of the
+      model (its replicas or children run): a layer whose forward already ran since the last header (the next step's
+      first forward), or a backward collective since the last header (the end of a step). Inside the model's forward
+      its start alone counts, so ranks that run different layers there meet at the same headers, and the layers'
+      collectives find it out (their checks and tags).
     """
 
     def __init__(self) -> None:
         self.by_layers = True
         self._started = False
         self._notifications = 0  # NOTIFICATIONS at the last header
+        self._model_started = False  # a forward of the model started since the last header
+        self._in_model = 0  # forwards of the model running now
         self._ran: set[int] = set()  # the layers whose forward ran since the last header (their transports' ids)
         self._backward = False
 
@@ -238,17 +243,25 @@ class HeaderSchedule:
     def due(self, transport: JoinTransport) -> bool:
         """Whether the training call of ``transport``'s layer starts with a header (then :meth:`sent` follows)."""
         key = id(transport)
-        if not self._started or self._notifications != NOTIFICATIONS[0]:
+        if not self._started or self._model_started or self._notifications != NOTIFICATIONS[0]:
             return True
-        if self.by_layers and (self._backward or key in self._ran):
+        if self.by_layers and not self._in_model and (self._backward or key in self._ran):
             return True
         self._ran.add(key)
         return False
 
     def sent(self, transport: JoinTransport) -> None:
         """The header before ``transport``'s call is sent (after this joinable's own notification, if it sends it)."""
-        self._started, self._notifications, self._backward = True, NOTIFICATIONS[0], False
+        self._started, self._notifications, self._model_started, self._backward = True, NOTIFICATIONS[0], False, False
         self._ran = {id(transport)}
+
+    def model_forward(self, end: bool) -> None:
+        """A forward of the model starts (or ends: ``end``)."""
+        if end:
+            self._in_model = max(0, self._in_model - 1)
+            return
+        self._in_model += 1
+        self._model_started = True
 
     def backward_ran(self) -> None:
         self._backward = True

@@ -57,13 +57,14 @@ def join_layers(model: nn.Module, join_process_group: Optional[Any] = None) -> S
 
     Call it on every rank after ``convert_model`` and pass the result to ``Join`` beside the DDP model, in either order.
     The first call for a model is collective (it creates a process group per group its layers use). Inside the ``Join``
-    the layers run eagerly, with one small all-reduce more per training forward (and per collective while a rank has
-    joined); outside it nothing changes
-    ([uneven inputs](../training.md#uneven-inputs-ranks-with-different-numbers-of-batches)).
+    the layers run eagerly, with one small all-reduce more per step (and per collective while a rank has joined),
+    whichever module runs them: the model, a wrapper of it, its DataParallel replicas or its children; outside it
+    nothing changes ([uneven inputs](../training.md#uneven-inputs-ranks-with-different-numbers-of-batches)).
 
     Args:
         model: a module holding :class:`syncbn_dist.SyncBatchNorm` layers (or the DistributedDataParallel wrapping
-            it); every rank passes the same architecture.
+            it); every rank passes the same architecture. The joinable covers its layers, not a module: the loop may
+            run them through any module that holds them.
         join_process_group: the group ``Join`` counts joined ranks over, which must be the DDP model's ``process_group``
             (None: the world group, DDP's default).
 
@@ -95,6 +96,9 @@ class SyncBatchNormJoinable(Joinable):
         self._device = _layers_device(self._layers, self._process_group)
         self._schedule = HeaderSchedule()
         self._sessions = self._bind_layers()
+        self._model = weakref.ref(model)
+        model.register_forward_pre_hook(_ForwardHeader(self))
+        model.register_forward_hook(_ForwardHeader(self, end=True), always_call=True)
 
     def _bind_layers(self) -> list[JoinSession]:
         """Give each layer its transport; return the session of each group (one copy and listener per group)."""
@@ -146,6 +150,10 @@ class SyncBatchNormJoinable(Joinable):
         for session in self._sessions:
             session.header()
 
+    def _model_forward(self, module: nn.Module, end: bool) -> None:
+        if module is self._model():  # (a DataParallel replica shares the model's hooks: its layers find the steps)
+            self._schedule.model_forward(end)
+
     def _start_listeners(self) -> None:
         for session in self._sessions:
             session.start_listener()
@@ -176,14 +184,23 @@ def _update_from_total(layer: nn.Module, total: Tensor) -> None:
 
 
 class _ForwardHeader:
-    """An inert forward pre-hook, kept so that a whole model pickled after ``join_layers`` by syncbn_dist 0.1.0 (which
-    hooked the model's forward) still loads: the layers now start each step's header themselves."""
+    """The model's forward pre-hook, or forward hook (``end``), that tells its joinable's header schedule where the
+    model's forwards start and end; inert in a copied or unpickled model."""
 
-    def __init__(self, joinable: None = None) -> None:
-        pass
+    def __init__(self, joinable: Optional[SyncBatchNormJoinable], end: bool = False) -> None:
+        self._joinable = joinable
+        self._end = end
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        return None
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        joinable = self._joinable
+        if joinable is not None and joinable.active:
+            joinable._model_forward(module, self._end)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _ForwardHeader:
+        return _ForwardHeader(None)
+
+    def __reduce__(self) -> tuple[Any, tuple[None]]:
+        return (_ForwardHeader, (None,))
 
 
 class _LayersJoinHook(JoinHook):
