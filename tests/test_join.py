@@ -276,9 +276,9 @@ def test_uneven_batch_counts_under_join_equal_batchnorm_on_the_active_ranks_unio
         ([1, 3], {"ddp": False, "children": True}),
         ([2, 0, 3], {"ddp": False, "children": True, "momentum": None}),
         ([1, 3], {"ddp": False, "children": True, "compile": True}),
-        # ddp.eval(), then ddp.module.train(): the layers train, the DDP model is in eval mode.
+        # ddp.eval(), then ddp.module.train(): the layers train, the DDP model (whose joinable it is) is in eval mode.
         ([3, 1], {"ddp": True, "ddp_alone": True, "module_train": True}),
-        ([2, 0, 3], {"ddp": True, "module_train": True}),
+        ([2, 0, 3], {"ddp": True, "module_train": True, "join_outer": True, "ours_first": True}),
     ],
     ids=[
         "ddp-dataparallel-inner-3-1",
@@ -289,7 +289,7 @@ def test_uneven_batch_counts_under_join_equal_batchnorm_on_the_active_ranks_unio
         "children-2-0-3-cumulative",
         "children-compiled-1-3",
         "ddp-eval-module-train-3-1",
-        "ddp-eval-module-train-2-0-3",
+        "ddp-eval-module-train-2-0-3-ours-first",
     ],
 )
 def test_joinables_serve_whichever_wrapper_or_child_runs_exactly(counts: list[int], setup: dict) -> None:
