@@ -257,6 +257,8 @@ class SyncBatchNorm(_BatchNorm):
         binding = self._join_binding
         if inner is not None and binding is not None and binding.active:  # inside Join (syncbn_dist.join_layers)
             inner = binding.transport
+            if not (compiling or recomputing or isinstance(self._replica_exchange, SlavePipe)):
+                binding.start_of_call()  # Join's header first, where due (the master replica's: it crosses processes)
         elif not compiling and inner is not None and OPEN_JOINS[0]:  # (not read while tracing: no guard on it)
             raise NotCoveredByJoinError(self._describe())
         if inner is not None and not compiling:
@@ -462,6 +464,9 @@ class SyncBatchNorm(_BatchNorm):
         return 1.0 / float(self.num_batches_tracked)
 
     def _eager_sync_forward(self, input: Tensor, transport: Transport) -> Tensor:
+        binding = self._join_binding
+        if binding is not None and transport is binding.transport and not is_recomputing():
+            binding.start_of_call()  # (traced up to here: the header _select_transport sends in eager calls)
         return self._sync_forward(input, transport, False)
 
     def _describe(self) -> str:
