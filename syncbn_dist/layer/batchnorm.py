@@ -460,7 +460,9 @@ class SyncBatchNorm(_BatchNorm):
         if self.momentum is not None:
             return self.momentum
         if compiling:
-            return 1.0 / self.num_batches_tracked
+            # In the precision eager mode's float reaches the update with: float64 buffers take it whole, the others
+            # in float32 (lerp's opmath), not the int64 count's default float dtype.
+            return 1.0 / self.num_batches_tracked.to(torch.promote_types(self.running_mean.dtype, torch.float32))
         return 1.0 / float(self.num_batches_tracked)
 
     def _eager_sync_forward(self, input: Tensor, transport: Transport) -> Tensor:
