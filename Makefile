@@ -27,7 +27,7 @@ COMPAT_VENV = .venv-compat-$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys
 FRAMEWORKS_VENV := .venv-frameworks
 FRAMEWORKS_PINS := torch==2.14.1 torchvision==0.29.1 timm==1.0.31
 
-.PHONY: install train train-dp train-multinode compare test test-quick compat frameworks bench bench-gpu docs docs-check lint clean
+.PHONY: install train train-dp train-multinode compare test test-quick fuzz compat frameworks bench bench-gpu docs docs-check lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,15 @@ test: install
 QUICK_MARKS := not plumbing and not slow and not over_budget
 test-quick: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(NPROC) --dist worksteal --durations=10 -m "$(QUICK_MARKS)" tests
+
+# The fuzzer of rank-divergent programs (launch/fuzz; tests/test_fuzz.py runs a fixed seed of it): FUZZ_PROGRAMS
+# programs with the seed FUZZ_SEED (empty: a random one, printed); each failing class is printed as a script that
+# reproduces it. FUZZ_ARGS: more key=value overrides, e.g. FUZZ_ARGS="known_open=true not_caught=true".
+FUZZ_PROGRAMS ?= 300
+FUZZ_SEED ?=
+FUZZ_ARGS ?=
+fuzz: install
+	OMP_NUM_THREADS=1 $(PY) -m launch.fuzz programs=$(FUZZ_PROGRAMS) $(if $(FUZZ_SEED),seed=$(FUZZ_SEED)) $(FUZZ_ARGS)
 
 # Not part of CI. torch is pinned while the project installs, so pip fails rather than replace it.
 compat:

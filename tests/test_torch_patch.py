@@ -280,7 +280,8 @@ def test_a_subclass_the_patch_cannot_reach_is_refused_by_name() -> None:
         assert layer.last_transport == "local"  # the patched forward ran under Reaching's
     finally:
         unpatch_torch_sync_batchnorm()
-        del Reaching, Unreached, Inherits
+        # The caught error's traceback holds the patch's frame, whose locals list the subclasses.
+        del Reaching, Unreached, Inherits, caught
         gc.collect()  # later patches in this process must not find them among the subclasses
 
 
