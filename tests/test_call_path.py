@@ -32,6 +32,7 @@ PACKAGE = os.path.dirname(syncbn_dist.__file__)
 CALL_ORDER = (
     "integrations/",  # convert_model, the DataParallel callbacks: above the layer
     "layer/batchnorm.py",  # the modules
+    "layer/identity.py",  # a layer's place in its model
     "layer/functions.py",  # the process-group Function, and the choice of kernels and autograd shape
     "layer/exchange_functions.py",  # the DataParallel replicas' Functions
     "layer/replay.py",  # checkpoint replay for replicas

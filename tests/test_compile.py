@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -412,6 +413,72 @@ def test_an_evaluation_on_rank_0_alone_before_training_compiled_trains_exactly(b
     (rank 0's was the eval graph's) and both ranks failed at the group's timeout."""
     graphs = run_distributed(_worker_rank0_evaluates_first, 2, backend, timeout=240, collective_timeout=30)
     assert graphs[0] >= 4 and graphs[1] >= 3, graphs  # rank 0's eval graph, then every training step compiled
+
+
+def _worker_cumulative_average(rank: int, world_size: int) -> list[float]:
+    """Four compiled (aot_eager) training forwards of a float64 layer with momentum=None: the greatest relative
+    difference of its running statistics from float64 nn.BatchNorm's on the global batches, after each."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = syncbn_dist.SynchronizedBatchNorm1d(C, momentum=None).double()
+    reference = nn.BatchNorm1d(C, momentum=None).double()
+    compiled = torch.compile(layer, backend="aot_eager", dynamic=False)
+    differences = []
+    for step in range(4):
+        batches = [torch.randn(3, C, generator=torch.Generator().manual_seed(10 * step + r), dtype=torch.float64)
+                   for r in range(world_size)]
+        compiled(batches[rank])
+        reference(torch.cat(batches))
+        differences.append(max(((mine - theirs).abs() / theirs.abs()).max().item()
+                                for mine, theirs in ((layer.running_mean, reference.running_mean),
+                                                     (layer.running_var, reference.running_var))))
+    return differences
+
+
+@pytest.mark.distributed
+def test_a_compiled_cumulative_average_in_float64_matches_batchnorm_in_float64() -> None:
+    """momentum=None's factor 1 / num_batches_tracked, traced, is taken in the buffers' precision: before, it was a
+    float32 tensor, and from the third forward the float64 running statistics were off by up to 3e-8 relative."""
+    for rank, differences in enumerate(run_distributed(_worker_cumulative_average, 2, timeout=120)):
+        # float64 rounding of O(1) values over four updates.
+        assert max(differences) < 1e-13, f"rank {rank}: {differences}"
+
+
+def _worker_compiled_autograd(rank: int, world_size: int, skip_a_backward: bool) -> Any:
+    """Eager forwards, backwards by compiled autograd (aot_eager): exact (returns how many backward graphs ran), or,
+    where rank 1 skips its second backward (after the group's first step), the error each rank raises and after how
+    many seconds."""
+    torch._dynamo.reset()
+    model = _model()
+    calls = [0]
+    backward_compiler = torch.compile(backend=_counting("aot_eager", calls))
+    if not skip_a_backward:
+        with torch._dynamo.compiled_autograd._enable(backward_compiler):
+            _train_mixed_steps_exactly(model, model, rank, world_size)
+        return calls[0]
+    start = time.monotonic()
+    with pytest.raises(Exception) as raised:  # noqa: PT011 - the chain is returned and inspected
+        for step in range(len(MIXED_STEPS)):
+            y = model(_batch(rank, step, MIXED_STEPS[step], False)[0].requires_grad_())
+            if rank == 0 or step != 1:
+                with torch._dynamo.compiled_autograd._enable(backward_compiler):
+                    y.sum().backward()
+    return type(raised.value).__name__, str(raised.value), time.monotonic() - start
+
+
+@pytest.mark.distributed
+def test_compiled_autograd_over_an_eager_forward_trains_exactly_and_checks_its_collectives() -> None:
+    """Compiled autograd traces the backward's collective, with its tag check as an op of the graph: exact, and a rank
+    that skips a backward makes every rank raise at once (before, the compiled backward skipped the check: rank 0 went
+    on, rank 1 raised alone, and both failed at the group's timeout)."""
+    backward_graphs = run_distributed(_worker_compiled_autograd, 2, False, timeout=240, collective_timeout=60)
+    assert all(graphs >= 1 for graphs in backward_graphs), backward_graphs
+    for rank, (name, message, seconds) in enumerate(
+        run_distributed(_worker_compiled_autograd, 2, True, timeout=240, collective_timeout=60)
+    ):
+        assert name == "LayerMismatchError", f"rank {rank}: {name}: {message}"
+        assert "rank 0: layer '7' (SynchronizedBatchNorm1d): backward" in message, f"rank {rank}: {message}"
+        assert seconds < 30, f"rank {rank} raised after {seconds:.0f} s: it waited for a peer"
 
 
 _JOB = textwrap.dedent(

@@ -91,14 +91,23 @@ def _train_uneven(rank: int, world_size: int, counts: list[int], setup: dict[str
         model = nn.SyncBatchNorm.convert_sync_batchnorm(_net(setup.get("momentum", 0.1))).to(device)
     else:
         model = convert_model(_net(setup.get("momentum", 0.1))).to(device)
+    net = model
     if setup.get("cpu_replicas"):
         model = DataParallelWithCallback(model, cpu_replicas=setup["cpu_replicas"])
     wrapped = DistributedDataParallel(model) if setup["ddp"] else model
+    if setup.get("module_train"):  # DDP in eval mode, the model inside it in training mode: the layers train
+        wrapped.eval()
+        wrapped.module.train()
     if setup.get("ddp_alone"):  # Join([ddp_model]): syncbn_dist's extension of Join adds the layers' joinable
         joinables = [wrapped]
     else:
-        joinable = join_layers(wrapped if setup.get("join_outer") else model)
+        # The joinable of the DDP model, of the module inside it (the default), or of the model that the wrappers
+        # replicate ("join_inner": DataParallel runs replicas of it, never it).
+        joinable = join_layers(wrapped if setup.get("join_outer") else net if setup.get("join_inner") else model)
         joinables = [joinable, wrapped] if setup.get("ours_first") else [wrapped, joinable]
+    forward = _children_in_turn(net) if setup.get("children") else wrapped
+    if setup.get("compile"):  # the layers run eagerly inside the compiled function (a graph break each)
+        forward = torch.compile(forward, backend="eager")
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     # Copies and pickles of the model (an EMA copy, torch.save) leave the Join behind and are plain layers.
     copy.deepcopy(model).train()(torch.randn(2, 3, 3, 2))
@@ -110,7 +119,7 @@ def _train_uneven(rank: int, world_size: int, counts: list[int], setup: dict[str
         with join:
             for x, w in _batches(rank, epoch_counts, epoch):
                 x = x.float().to(device).requires_grad_()
-                out = wrapped(x)
+                out = forward(x)
                 (out * w.float().to(device)).sum().backward()
                 records.append(
                     {
@@ -127,6 +136,18 @@ def _train_uneven(rank: int, world_size: int, counts: list[int], setup: dict[str
     with torch.no_grad():
         evaluated = wrapped(_eval_input().float().to(device)).double().cpu()
     return {"records": records, "eval": evaluated, "stats": _running_stats(model)}
+
+
+def _children_in_turn(model: nn.Module) -> Any:
+    """``model``'s forward with its children called one by one (as self-supervised code calls ``model.backbone``):
+    the model's own forward never runs."""
+
+    def forward(x: Tensor) -> Tensor:
+        for child in model.children():
+            x = child(x)
+        return x
+
+    return forward
 
 
 def _reference(world_size: int, epochs: list[list[int]], momentum: Optional[float], train: bool) -> dict[str, Any]:
@@ -241,6 +262,46 @@ def test_uneven_batch_counts_under_join_equal_batchnorm_on_the_active_ranks_unio
     _assert_matches_reference(results, len(counts), counts, setup)
 
 
+@pytest.mark.parametrize(
+    "counts, setup",
+    [
+        # DDP over DataParallel replicas, the joinable of the model inside both (docs/training.md: "the inner model
+        # works too"): the master replica of each process sums over processes.
+        ([3, 1], {"ddp": True, "cpu_replicas": 2, "join_inner": True}),
+        ([2, 0, 3], {"ddp": True, "cpu_replicas": 2, "join_inner": True}),
+        # DataParallel replicas of the model the joinable was built from, no DDP: nothing runs the model itself.
+        ([3, 1], {"ddp": False, "cpu_replicas": 2, "join_inner": True}),
+        ([2, 0, 3], {"ddp": False, "cpu_replicas": 2, "join_inner": True}),
+        # The model's children called in turn: no forward of the model.
+        ([1, 3], {"ddp": False, "children": True}),
+        ([2, 0, 3], {"ddp": False, "children": True, "momentum": None}),
+        ([1, 3], {"ddp": False, "children": True, "compile": True}),
+        # ddp.eval(), then ddp.module.train(): the layers train, the DDP model (whose joinable it is) is in eval mode.
+        ([3, 1], {"ddp": True, "ddp_alone": True, "module_train": True}),
+        ([2, 0, 3], {"ddp": True, "module_train": True, "join_outer": True, "ours_first": True}),
+    ],
+    ids=[
+        "ddp-dataparallel-inner-3-1",
+        "ddp-dataparallel-inner-2-0-3",
+        "dataparallel-inner-3-1",
+        "dataparallel-inner-2-0-3",
+        "children-1-3",
+        "children-2-0-3-cumulative",
+        "children-compiled-1-3",
+        "ddp-eval-module-train-3-1",
+        "ddp-eval-module-train-2-0-3-ours-first",
+    ],
+)
+def test_joinables_serve_whichever_wrapper_or_child_runs_exactly(counts: list[int], setup: dict) -> None:
+    """The module that runs is not the one the joinable was built from: a replica, a child (in a compiled function
+    too), a wrapper in another mode.
+    Every step still equals float64 BatchNorm on the active ranks' union (the layers start each step's header
+    themselves); a rank that runs a step without it would wait for the 10 s collective timeout, or abort on gloo's
+    size check."""
+    results = run_distributed(_train_uneven, len(counts), counts, setup, timeout=90, collective_timeout=10)
+    _assert_matches_reference(results, len(counts), counts, setup)
+
+
 def _train_uneven_patched(rank: int, world_size: int, counts: list[int], setup: dict[str, Any]) -> dict[str, Any]:
     with syncbn_dist.patch_torch_sync_batchnorm():
         return _train_uneven(rank, world_size, counts, {**setup, "torch_class": True})
@@ -309,6 +370,101 @@ def test_active_ranks_at_different_layers_raise_on_every_rank() -> None:
     for rank, result in enumerate(results):
         assert result["error"] == "LayerMismatchError", (rank, result)
         assert "different synchronized layers" in result["message"]
+
+
+class _Alternating(nn.Module):
+    """A head of its own for even and odd steps (``calls``: the steps so far), then a layer both share: no step starts
+    at the layer the step before started at."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.even, self.odd, self.shared = nn.BatchNorm2d(3), nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+        self.calls = 0
+
+    def head(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return (self.odd if self.calls % 2 == 0 else self.even)(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.shared(self.head(x))
+
+
+def _alternating_worker(rank: int, world_size: int, counts: list[int], children: bool) -> dict[str, Any]:
+    """``_Alternating`` under ``Join([join_layers(model)])``, called as a model or through its parts (``children``)."""
+    model = convert_model(_Alternating())
+    outputs = []
+    with Join([join_layers(model)]):
+        for x, _ in _batches(rank, counts):
+            x = x[:, :3].float()
+            out = model.shared(model.head(x)) if children else model(x)
+            (out * out).sum().backward()
+            outputs.append(out.detach().double())
+    return {"outputs": outputs, "stats": _running_stats(model)}
+
+
+@pytest.mark.parametrize("children", [False, True], ids=["model", "its parts"])
+def test_a_step_that_starts_at_another_layer_than_the_step_before_is_served_exactly(children: bool) -> None:
+    """With our joinable alone in the Join, the layers find each step's start from the step before's backward: a
+    step that starts at a layer the step before did not run still starts with the header, whoever calls the layers
+    (rank 0 joins after the first step, so the header of every later step must count it out)."""
+    counts = [1, 3]
+    results = run_distributed(_alternating_worker, 2, counts, children, timeout=60, collective_timeout=10)
+    reference = _Alternating().double()
+    batches = [_batches(rank, counts) for rank in range(2)]
+    for step in range(max(counts)):
+        active = [rank for rank in range(2) if step < counts[rank]]
+        out = reference(torch.cat([batches[rank][step][0][:, :3] for rank in active]))
+        (out * out).sum().backward()
+        sizes = [batches[rank][step][0].size(0) for rank in active]
+        for rank, expected in zip(active, out.split(sizes)):
+            assert_close(results[rank]["outputs"][step], expected, f"output, rank {rank}, step {step}", **TOLERANCE)
+    for rank in range(2):
+        for i, (s, e) in enumerate(zip(results[rank]["stats"], _running_stats(reference))):
+            assert_close(s, e, f"running statistic {i}, rank {rank}", **TOLERANCE)
+
+
+class _Twice(nn.Module):
+    """Layers ``a`` and ``b`` of one width; at step ``parting`` (counted by ``calls``) rank 0 runs ``a`` twice, the
+    others ``b`` twice, inside the model's forward."""
+
+    def __init__(self, parting: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+        self.parting, self.calls = parting, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls - 1 != self.parting:
+            return self.b(self.a(x))
+        return self.b(self.a(self.a(x))) if dist.get_rank() == 0 else self.b(self.b(self.a(x)))
+
+
+def _twice_worker(rank: int, world_size: int, counts: list[int], parting: int) -> dict[str, Any]:
+    import time
+
+    model = convert_model(_Twice(parting))
+    steps, error = 0, None
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        with Join([join_layers(model)]):
+            for x, _ in _batches(rank, counts):
+                model(x[:, :3].float()).sum().backward()
+                steps += 1
+    except Exception as caught:  # noqa: BLE001 - reported to the parent, which checks every rank's
+        error = caught
+    return {"error": type(error).__name__, "steps": steps, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("parting", [0, 1], ids=["first step", "a later step"])
+def test_ranks_that_call_a_layer_more_often_inside_the_models_forward_raise_on_every_rank(parting: int) -> None:
+    """Our joinable alone: a forward of the model starts each step's header, whatever runs inside it, so ranks that
+    part there meet at their layers' collectives, whose check (the first step) or tags (later) raise on every rank
+    within seconds (a header on one rank against a payload on another would wait for the 10 s timeout)."""
+    results = run_distributed(_twice_worker, 2, [3, 3], parting, timeout=60, collective_timeout=10)
+    for rank, result in enumerate(results):
+        assert result["error"] == "LayerMismatchError", (rank, result)
+        assert result["steps"] == parting and result["seconds"] < 8.0, (rank, result)
 
 
 def _count_worker(rank: int, world_size: int) -> list[dict[str, int]]:
@@ -577,6 +733,8 @@ THROWING = [
     "ddp, join_layers(ddp)",
     "join_layers(ddp), ddp",
     "join_layers alone",
+    "join_layers alone, its children run",
+    "join_layers alone, dataparallel replicas run",
     "plain batchnorm",
 ]
 
@@ -590,7 +748,11 @@ def _throwing_worker(rank: int, world_size: int, counts: list[int], how: str) ->
     net = _net()
     model = net if how == "plain batchnorm" else convert_model(net)
     ddp = DistributedDataParallel(model)
-    wrapped: nn.Module = model if how == "join_layers alone" else ddp
+    wrapped: Any = model if how == "join_layers alone" else ddp
+    if how == "join_layers alone, its children run":
+        wrapped = _children_in_turn(model)
+    elif how == "join_layers alone, dataparallel replicas run":
+        wrapped = DataParallelWithCallback(model, cpu_replicas=2)
     if how in ("ddp alone", "plain batchnorm"):
         joinables: list[Any] = [ddp]
     elif how == "ddp, join_layers(model)":
@@ -710,3 +872,24 @@ def test_a_synchronized_model_no_joinable_covers_raises_on_every_rank_naming_it(
     listed = run_distributed(_uncovered_worker, len(counts), counts, True, timeout=60, collective_timeout=10)
     for rank, result in enumerate(listed):
         assert result["error"] is None and result["steps"] == counts[rank], f"rank {rank}: {result}"
+
+
+class _HookOf010:
+    """What syncbn_dist 0.1.0 pickled for the forward pre-hook that ``join_layers`` put on the model."""
+
+    def __reduce__(self) -> tuple[Any, tuple[None]]:
+        return (torch_join._ForwardHeader, (None,))
+
+
+def test_a_model_pickled_with_the_forward_hook_of_0_1_0_loads_and_runs() -> None:
+    """0.1.0 hooked the model's forward; a whole model saved then (``torch.save(model)``) carries the hook, which
+    loads as an inert one and runs the model as it was."""
+    model, x = _net().eval(), torch.randn(2, 3, 3, 2)
+    expected = model(x)
+    model._forward_pre_hooks[0] = _HookOf010()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert isinstance(loaded._forward_pre_hooks[0], torch_join._ForwardHeader)
+    assert_close(loaded(x), expected, "the loaded model's output", rtol=0, atol=0)  # the same model, the same ops

@@ -12,6 +12,7 @@ inside a collective.
 
 from __future__ import annotations
 
+import copy
 import random
 from typing import Any, Optional
 
@@ -97,14 +98,28 @@ def test_the_check_is_exact_at_two_million_members_with_the_largest_tags() -> No
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# How a model's synchronized layers are built, and the class errors name them by: by convert_model, directly in the
+# model's __init__ (as norm_layer= constructors do), or as torch's own class under syncbn_dist's patch (as frameworks
+# and ``python -m syncbn_dist.run`` build them).
+BUILDS = {
+    "convert_model": "SynchronizedBatchNorm1d",
+    "directly": "SynchronizedBatchNorm1d",
+    "torch's class": "SyncBatchNorm",
+}
+
+
 class _Heads(nn.Module):
     """Two synchronized heads of the same width, as a multi-task model: ``forward(x, head)`` runs one."""
 
-    def __init__(self, group: Optional[Any] = None) -> None:
+    def __init__(self, group: Optional[Any] = None, built: str = "convert_model") -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.heads = nn.ModuleDict({"a": nn.BatchNorm1d(C), "b": nn.BatchNorm1d(C)})
-        syncbn_dist.convert_model(self, process_group=group)
+        if built == "convert_model":
+            self.heads = nn.ModuleDict({"a": nn.BatchNorm1d(C), "b": nn.BatchNorm1d(C)})
+            syncbn_dist.convert_model(self, process_group=group)
+        else:
+            synchronized = syncbn_dist.SynchronizedBatchNorm1d if built == "directly" else nn.SyncBatchNorm
+            self.heads = nn.ModuleDict({name: synchronized(C, process_group=group) for name in ("a", "b")})
         self.double()
 
     def forward(self, x: Tensor, head: str) -> Tensor:
@@ -186,17 +201,17 @@ def _expect_mismatch(fn: Any) -> str:
     raise AssertionError("the ranks parted and nothing was raised")
 
 
-def _own(rank: int, case: str) -> tuple[str, str]:
+def _own(rank: int, case: str, built: str = "convert_model") -> tuple[str, str]:
     """The layer and direction rank ``rank`` was at when the ranks parted."""
     head = "a" if rank == 0 or case == "no_grad pass" else "b"
     direction = "forward without backward" if case == "no_grad pass" and rank == 0 else "forward"
-    return f"layer 'heads.{head}' (SynchronizedBatchNorm1d)", direction
+    return f"layer 'heads.{head}' ({BUILDS[built]})", direction
 
 
-def _case(rank: int, world_size: int, case: str, backend: Optional[str]) -> str:
+def _case(rank: int, world_size: int, case: str, backend: Optional[str], built: str = "convert_model") -> str:
     """One case on a new process group (a first step of its own): the agreeing steps, then the parting one."""
     group = dist.new_group(list(range(world_size)))
-    model = _Heads(group)
+    model = _Heads(group, built)
     run = model if backend is None else torch.compile(model, backend=backend)
     if case != "first call":
         _agreeing_steps(model, run, rank, world_size, 2)
@@ -205,9 +220,9 @@ def _case(rank: int, world_size: int, case: str, backend: Optional[str]) -> str:
     return message
 
 
-def _check(messages: list[str], case: str) -> None:
+def _check(messages: list[str], case: str, built: str = "convert_model") -> None:
     for rank, message in enumerate(messages):
-        layer, direction = _own(rank, case)
+        layer, direction = _own(rank, case, built)
         assert layer in message and direction in message, f"rank {rank} ({case}): {message}"
 
 
@@ -225,6 +240,117 @@ def test_ranks_that_part_raise_on_every_rank(world_size: int) -> None:
     for result in results:
         assert "rank 0: layer 'heads.a'" in result[0] and "rank 1: layer 'heads.b'" in result[0], result[0]
         assert "rank 0: layer 'heads.a'" in result[1] and "rank 1: layer 'heads.b'" in result[1], result[1]
+
+
+def _worker_builds(rank: int, world_size: int) -> dict[str, list[str]]:
+    messages = {}
+    for built in BUILDS:
+        if built == "torch's class":
+            syncbn_dist.patch_torch_sync_batchnorm()
+        try:
+            messages[built] = [_case(rank, world_size, case, None, built) for case in CASES]
+        finally:
+            syncbn_dist.unpatch_torch_sync_batchnorm()
+    return messages
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_that_part_raise_on_every_rank_whoever_built_the_layers(world_size: int) -> None:
+    """A layer is named by its place in the model, whoever built it: two heads of one width built directly (or as
+    torch's class under the patch) are told apart at their first call and later. Before, they were named by class and
+    width alone, and the later branch mixed both heads' statistics with no error."""
+    results = run_distributed(_worker_builds, world_size, timeout=200, collective_timeout=20)
+    for built in BUILDS:
+        for i, case in enumerate(CASES):
+            _check([result[built][i] for result in results], case, built)
+
+
+def _gan(group: Any) -> tuple[nn.Module, nn.Module]:
+    """A generator and a discriminator, each converted on its own: both have a synchronized layer named '1'."""
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(C, C), nn.BatchNorm1d(C), nn.ReLU())
+    discriminator = nn.Sequential(nn.Linear(C, C), nn.BatchNorm1d(C), nn.LeakyReLU(0.2), nn.Linear(C, 1))
+    return tuple(syncbn_dist.convert_model(m, process_group=group).double() for m in (generator, discriminator))
+
+
+def _worker_two_models(rank: int, world_size: int) -> list[str]:
+    """Rank 0 trains the generator's layer '1' where the others train the discriminator's: at the group's first call,
+    and after a step that trains both on every rank."""
+    messages = []
+    for agreeing_steps in (0, 1):
+        generator, discriminator = _gan(dist.new_group(list(range(world_size))))
+        for step in range(agreeing_steps):
+            for model in (generator, discriminator):
+                model(_shard(rank, step, "a")[0]).sum().backward()
+        model = generator if rank == 0 else discriminator
+        messages.append(_expect_mismatch(lambda: model(_shard(rank, 9, "a")[0]).sum().backward()))  # noqa: B023
+        dist.barrier()
+    return messages
+
+
+@pytest.mark.distributed
+def test_two_models_converted_separately_are_told_apart() -> None:
+    """Two models whose layers share a qualified name ('1') but whose structures differ: a layer's identity holds its
+    model's structure. Before, rank 0 at the generator's layer and rank 1 at the discriminator's mixed statistics."""
+    for messages in run_distributed(_worker_two_models, 2, timeout=120, collective_timeout=20):
+        for message in messages:
+            assert "rank 0: layer '1'" in message and "rank 1: layer '1'" in message, message
+
+
+def _worker_extra_models(rank: int, world_size: int) -> None:
+    """Rank 0 builds more models than the others before the one they train, and in another order (a deep copy, a
+    model of another structure), and wraps the trained one in torch.compile for a validation it never runs: every rank
+    names the trained model's layers alike, and the steps are exact."""
+    for built in BUILDS:
+        if built == "torch's class":
+            syncbn_dist.patch_torch_sync_batchnorm()
+        try:
+            group = dist.new_group(list(range(world_size)))
+            extra = []
+            if rank == 0:
+                extra = [_gan(group), _Heads(group, built)]
+                extra.append(copy.deepcopy(extra[0][0]))
+            model = _Heads(group, built)
+            if rank == 0:
+                extra.append(torch.compile(model))
+            _agreeing_steps(model, model, rank, world_size, 2)
+        finally:
+            syncbn_dist.unpatch_torch_sync_batchnorm()
+
+
+@pytest.mark.distributed
+def test_a_rank_that_builds_more_models_first_trains_exactly() -> None:
+    run_distributed(_worker_extra_models, 2, timeout=120, collective_timeout=20)
+
+
+def _worker_hybrid(rank: int, world_size: int) -> list[str]:
+    """Rank 0 runs the model in two DataParallel replicas, rank 1 runs it directly: at the group's first call, and
+    after steps where both ran replicas."""
+    messages = []
+    for agreeing_steps in (0, 2):
+        model = _Heads(dist.new_group(list(range(world_size))))
+        replicas = DataParallelWithCallback(model, cpu_replicas=2)
+        for step in range(agreeing_steps):  # (tests/test_replicate.py: exact)
+            x, dy = _shard(rank, step, "a")
+            replicas(x.requires_grad_(), "a").backward(dy)
+        run = replicas if rank == 0 else model
+        x, dy = _shard(rank, 9, "a")
+        messages.append(_expect_mismatch(lambda: run(x.requires_grad_(), "a").backward(dy)))  # noqa: B023
+        dist.barrier()
+    return messages
+
+
+@pytest.mark.distributed
+def test_a_process_with_replicas_beside_one_without_raises_on_every_rank() -> None:
+    """The replica exchange sums the gradients of the totals, the process group the layer's backward payload: their
+    collectives' tags name the exchange, so they never pass for each other. Before, both ranks trained on with input
+    gradients off by up to 30 and no error."""
+    for rank, messages in enumerate(run_distributed(_worker_hybrid, 2, timeout=120, collective_timeout=20)):
+        for message in messages:
+            assert "rank 0: layer 'heads.a' (SynchronizedBatchNorm1d): " in message, f"rank {rank}: {message}"
+            assert "forward through the replica exchange" in message, f"rank {rank}: {message}"
+            assert "Run replicas on every process or on none" in message, f"rank {rank}: {message}"
 
 
 def _worker_compiled(rank: int, world_size: int, backend: str) -> list[str]:

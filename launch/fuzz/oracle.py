@@ -21,7 +21,6 @@ switched back on when its fix lands.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -67,9 +66,14 @@ TABLE: dict[str, Row] = {
     "compiled-beside-eager": Row(RAISE, RAISE),
     "compiled-fallback": Row(EXACT, EXACT, generated=False),
     "compiled-eval-first": Row(EXACT, EXACT),
+    "other-width-first-step-recompiled": Row(ABORT, RAISE, generated=False),  # (drawn, but rarely)
+    "replicas-beside-direct": Row(RAISE, RAISE),
     "uneven-without-join": Row(HANG, HANG),
     "logging-pass-with-grad-ddp": Row(HANG, HANG, generated=False),
     "join-uncovered": Row(RAISE, RAISE, error="RuntimeError", generated=False),
+    "join-wrapper": Row(EXACT, EXACT, generated=False),
+    "join-repeat-outside-model": Row(ABORT, ABORT, generated=False),
+    "join-skipped-backward": Row(HANG, HANG),
     "join-throw": Row(RAISE, RAISE, error="RuntimeError"),
 }
 
@@ -78,26 +82,8 @@ AGREE = "same-collectives"
 
 #: The classes found that the library does not meet yet, each with why; :func:`decide` names those a program is in.
 KNOWN_OPEN: dict[str, str] = {
-    "identity-by-width": "layers built directly are named by class and width: heads a and b (and the stem) of one "
-    "width are one layer to the checks, so ranks at different ones mix statistics; under torch.compile the trace-time "
-    "check then gathers at another number of layers on each rank, and they wait for the group's timeout, whatever "
-    "differs (issue 59, item 2)",
-    "hybrid-replicas": "DataParallel replicas on some processes only: the replica exchange's and the process group's "
-    "backward payloads carry one tag (issue 59, item 3)",
-    "compiled-cumulative-average": "under torch.compile, momentum=None's factor 1 / num_batches_tracked is a float32 "
-    "tensor (an int64 tensor divided by a float): from the third training forward the running statistics are off by "
-    "up to 3e-8 relative (syncbn_dist/layer/batchnorm.py, _momentum_factor); eager and plain BatchNorm compiled are "
-    "exact",
     "debug-compiled-beside-eager": "in debug mode, one rank compiles the model beside an eager one: every rank "
     "waits for the group's timeout at the first forward (without debug mode: caught there, on every rank)",
-    "compiled-first-step-recompiled": "under torch.compile, the first step's gather runs in the compilation that "
-    "first traces the group's training calls only: layers of other widths met in a recompilation within the first "
-    "step (a training forward after a no_grad one) are not gathered, and gloo aborts, as after the first step",
-    "join-skipped-backward": "under Join, a rank that skips a backward (in a step, or its last): the next forward's "
-    "header, or Join's exit, meets the peers' backward collective, and every rank waits for the group's timeout "
-    "(without Join: caught on every rank)",
-    "join-wrapper": "join_layers(model) while a wrapper of the model (DataParallelWithCallback, torch.compile) runs: "
-    "the joinable's forward hook does not fire (issue 59, item 5)",
 }
 
 
@@ -148,9 +134,7 @@ class Verdict:
 
 
 def _identity(program: Program, layer: str) -> str:
-    if program.naming == "direct":  # named by class and width only (docs/troubleshooting.md)
-        return f"SyncBatchNorm/{WIDTHS[layer]}"
-    return layer
+    return layer  # its place in the model, however it was built (docs/design.md, "Every collective checks itself")
 
 
 def _layer(program: Program, name: str, direction: str, forward: int = -1, tracked: bool = False) -> Collective:
@@ -207,14 +191,11 @@ class _Parting:
     open: tuple[str, ...] = ()
 
 
-SKIPPED = ("join-skipped-backward",)
-
-
 def _differing(program: Program, events: set[Collective], first_step: bool) -> tuple[str, tuple[str, ...]]:
     """The row of differing collectives at one position, and the open classes it meets."""
     kinds = {e.kind for e in events}
     if len(kinds) > 1:  # a Join header against a layer's collective: a rank skipped a backward, its peer did not
-        return "forward-meets-backward", SKIPPED
+        return "join-skipped-backward", ()
     if len({e.width for e in events}) > 1:
         return ("other-width-first-step" if first_step else "other-width-later"), ()
     directions = {e.direction for e in events}
@@ -222,8 +203,7 @@ def _differing(program: Program, events: set[Collective], first_step: bool) -> t
         return "forward-meets-backward", ()
     if len(directions) > 1:
         return "no-grad-forward", ()
-    same_tag = len({e.identity for e in events}) == 1
-    return "other-layer", (("identity-by-width",) if same_tag else ())
+    return "other-layer", ()
 
 
 def _walk(program: Program, members: tuple[int, ...]) -> Optional[_Parting]:
@@ -248,15 +228,13 @@ def _walk(program: Program, members: tuple[int, ...]) -> Optional[_Parting]:
         just_joined = any(position == len(sequences[r]) for r in joined)
         if just_joined and any(e.kind != "header" for e in events):
             # A rank ended inside a step (without its last backward): the others' backward meets a joined rank.
-            return _Parting("forward-meets-backward", position, active, joined, announced, here, SKIPPED)
+            return _Parting("join-skipped-backward", position, active, joined, False, here)
         if len(events) > 1:
             row, open_ = _differing(program, events, window.open)
             traced = bool(program.compile[members[0]]) and not program.debug  # debug mode runs the layers eagerly
             if traced and row == "other-width-first-step" and any(e.forward >= 1 for e in events):
-                open_ = (*open_, "compiled-first-step-recompiled")
-            if announced and "identity-by-width" in open_:  # the announcement numbers each layer: caught
-                open_ = ()
-            return _Parting(row, position, active, joined, announced, here, open_)
+                row = "other-width-first-step-recompiled"
+            return _Parting(row, position, active, joined, announced and row != "join-skipped-backward", here, open_)
         (event,) = events
         if event.kind == "layer" and not joined:
             window.passed(event)
@@ -270,11 +248,6 @@ def decide(program: Program) -> Verdict:
     of a group whose members agree run to the end, exactly. The first group that parts names the class.
     """
     open_: list[str] = []
-    if len(set(program.replicas)) > 1:
-        open_.append("hybrid-replicas")
-    wrapped = any(r > 1 for r in program.replicas) or any(program.compile)
-    if program.join and program.join_target == "model" and wrapped:
-        open_.append("join-wrapper")
     errors: dict[int, tuple[str, ...]] = {}
     parted_at: dict[tuple[int, ...], int] = {}
     verdict_row, outcome, details = AGREE, EXACT, []
@@ -287,17 +260,11 @@ def decide(program: Program) -> Verdict:
             debug_open = ("debug-compiled-beside-eager",) if program.debug else ()
             parting: Optional[_Parting] = _Parting("compiled-beside-eager", 0, members, (), False, how, debug_open)
         else:
-            parting = _walk(program, members)
+            parting = _replicas_beside_direct(program, members) or _walk(program, members)
         if parting is None:
             if program.compile[members[0]] and _eval_first_on_some(program, members):
                 verdict_row = "compiled-eval-first" if verdict_row == AGREE else verdict_row
-            forwards = max(sum(s.trains for s in program.steps[r]) for r in members)
-            traced = program.compile[members[0]] and not program.debug
-            if traced and program.momentum is None and forwards >= 3 and "compiled-cumulative-average" not in open_:
-                open_.append("compiled-cumulative-average")  # 1/3 is the first factor float32 rounds
             continue
-        if program.naming == "direct" and program.compile[members[0]] and "identity-by-width" not in parting.open:
-            parting = dataclasses.replace(parting, open=(*parting.open, "identity-by-width"))
         row = TABLE[parting.row]
         group_outcome = row.debug if program.debug else row.default
         if parting.announced and parting.row != "join-throw":
@@ -322,6 +289,23 @@ def decide(program: Program) -> Verdict:
 
 def _mode(backend: str) -> str:
     return f"compiled ({backend})" if backend else "eager"
+
+
+def _replicas_beside_direct(program: Program, members: tuple[int, ...]) -> Optional[_Parting]:
+    """Members that run the layers in DataParallel replicas beside members that run them directly, at their first
+    layer collective: every member raises there (the tags name the exchange). Not where a member with no training
+    forward leaves the others waiting (without Join), nor where only one kind is active (a joined rank adds zeros)."""
+    runners = [r for r in members if collectives(program, r)]
+    if len(runners) < len(members) and not program.join:
+        return None
+    if len({program.replicas[r] > 1 for r in runners}) < 2:
+        return None
+    position = next(i for i, e in enumerate(collectives(program, runners[0])) if e.kind == "layer")
+    here = "the first layer: ranks " + ", ".join(
+        f"{r} {'replicas' if program.replicas[r] > 1 else 'direct'}" for r in members
+    )
+    joined = tuple(r for r in members if r not in runners)
+    return _Parting("replicas-beside-direct", position, tuple(runners), joined, bool(joined), here)
 
 
 def _eval_first_on_some(program: Program, members: tuple[int, ...]) -> bool:

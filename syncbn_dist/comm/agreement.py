@@ -17,7 +17,7 @@ from torch import Tensor
 from .. import settings
 from ..compiler_marks import when_dynamo_loads
 from .distributed import _AllReduceCoalesced, all_gather_bytes, resolve_group
-from .tags import BACKWARD, LayerMismatchError, describe_disagreement, layer_tags, traced_constants
+from .tags import BACKWARD, LayerMismatchError, describe_disagreement, exchange_advice, layer_tags, traced_constants
 
 __all__ = [
     "CheckedTransport",
@@ -88,7 +88,7 @@ class LayerAgreement:
 
     def __init__(self) -> None:
         self.settled: Optional[tuple[Any, torch.dtype]] = None
-        self.tags: dict[tuple[str, Optional[str]], Any] = {}
+        self.tags: dict[tuple[str, str], Any] = {}  # (forward direction, exchange) -> the layer's tags
 
     def __reduce__(self) -> tuple[type[LayerAgreement], tuple[()]]:
         return (LayerAgreement, ())
@@ -118,7 +118,7 @@ def verify(
     """
     group = _world_if_none(group)
     how = "traced by torch.compile" if traced else "eager"
-    shown = f"{key}, {tag.direction}, {how}"
+    shown = f"{key}, {tag.where}, {how}"
     compared = f"{tag.identity}{_SEPARATOR}{shown}" if error is None else f"bad input: {error}"
     display = f"{description}: {shown if error is None else compared}"
     if settings._DEBUG:
@@ -147,7 +147,7 @@ def _advice(records: list[list[str]]) -> str:
             "\nSome ranks trace this layer under torch.compile while others run it eagerly: compile the model on "
             "every rank or on none (a rank may fall back to eager once every layer has run: Dynamo's recompile limit)"
         )
-    return ""
+    return exchange_advice([record[0] for record in records])
 
 
 class CheckedTransport:
@@ -164,6 +164,7 @@ class CheckedTransport:
     def __init__(self, transport: Any, key: str, description: str) -> None:
         self.name = transport.name
         self.differentiable_exchange = False
+        self.exchange_name = transport.exchange_name
         self.transport = transport
         self._key, self._description = key, description
 

@@ -103,6 +103,7 @@ class DistributedTransport:
 
     name = "distributed"
     differentiable_exchange = False
+    exchange_name = "process group"
 
     def __init__(self, process_group: Optional[Any] = None) -> None:
         self.process_group = process_group
@@ -141,7 +142,13 @@ class DistributedTransport:
         """
         # torch's process-wide flag, not kernels.tracing's: the functional collective is the same sum, eagerly too.
         if torch.compiler.is_compiling():
-            return all_reduce_sum(tensor, self.group_name)
+            total = all_reduce_sum(tensor, self.group_name)
+            if tag is None:
+                return total
+            # Traced by compiled autograd (the backward of an eager forward): the check as an op of its graph.
+            from .tags import checked_in_graph, traced_tag  # (tags imports this module)
+
+            return checked_in_graph(total, traced_tag(tag), self.group_name, backward=True)
         group = self.process_group
         if group is None:
             group = dist.group.WORLD

@@ -14,20 +14,32 @@ import torch
 from torch import Tensor
 
 from .distributed import DistributedTransport
-from .tags import TAG_SIZE, LayerMismatchError, summed_tags_agree
+from .tags import FORWARD, FORWARD_WITHOUT_BACKWARD, TAG_SIZE, TANGENT, LayerMismatchError, summed_tags_agree
 from .transport import UNREACHABLE
 
-__all__ = ["OPEN_JOINS", "JoinBinding", "JoinSession", "JoinTransport", "NotCoveredByJoinError"]
+__all__ = [
+    "NOTIFICATIONS",
+    "OPEN_JOINS",
+    "HeaderSchedule",
+    "JoinBinding",
+    "JoinSession",
+    "JoinTransport",
+    "NotCoveredByJoinError",
+]
 
 #: How many enabled torch ``Join`` contexts are open in this process (counted by syncbn_dist.integrations.torch_join):
 #: a synchronized layer that trains over a process group then needs a joinable of its own.
 OPEN_JOINS = [0]
+#: How many per-step notifications (``Join.notify_join_context`` by a ``Join``'s first joinable: DDP's forward, or
+#: another joinable's) this process has sent (counted by syncbn_dist.integrations.torch_join).
+NOTIFICATIONS = [0]
 
 # Control kinds: a forward's start, a collective, and a forward whose total updates the running statistics.
 _HEADER, _COLLECTIVE, _TRACKED_FORWARD = 1.0, 2.0, 3.0
 # The dtypes a payload can have, by code (the index + 1): the synchronized layers send float64.
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _CONTROL_SIZE = 9
+_FORWARD_DIRECTIONS = (FORWARD, FORWARD_WITHOUT_BACKWARD, TANGENT)  # (a tangent: forward-mode AD, in the forward)
 
 
 def _control(active: float, kind: float, layer: int, numel: int, dtype_code: int, device: torch.device) -> Tensor:
@@ -114,15 +126,16 @@ class JoinSession:
         self._listener = None
         self._error = None
 
-    def start_of_forward(self) -> None:
-        """The header of a training forward, on an active rank: counts the active ranks (one small collective).
+    def header(self) -> None:
+        """The header that starts a step's synchronized calls (:class:`HeaderSchedule`), on an active rank: counts the
+        active ranks (one small collective).
 
         Raises:
-            LayerMismatchError: if the active ranks are not all at the start of a forward.
+            LayerMismatchError: if the active ranks are not all at a header.
         """
         announcement = self._exchange(_control(1.0, _HEADER, 0, 0, 0, self.device))
         if not announcement.agree or announcement.kind != _HEADER:
-            raise LayerMismatchError(self._mismatch("at the start of a forward"))
+            raise LayerMismatchError(self._mismatch("at the start of a step (a header)"))
         self.peers_joined = announcement.active < self.size
 
     def announce(self, layer: int, payload: Tensor, tracked_forward: bool = False, what: str = "") -> None:
@@ -196,22 +209,83 @@ class JoinSession:
         )
 
 
+class HeaderSchedule:
+    """When the layers of one joinable send the next header, on an active rank: at a synchronized training call.
+
+    A rank joins between two steps of the loop, so the header (:meth:`JoinSession.header`) must come before the first
+    synchronized collective of every step; one more costs a small all-reduce. The layers see every call, whichever
+    module runs them (the model, a wrapper of it, its DataParallel replicas, its children called one by one), and
+    every active rank makes the same calls, so every active rank finds a header due at the same calls, from:
+
+    - the first call in the ``Join``;
+    - ``Join``'s per-step notification since the last header (:data:`NOTIFICATIONS`), which DDP sends in its forward;
+    - a forward of the model the joinable was built from (itself, not a replica) started since the last header;
+    - where no other joinable notifies (``by_layers``: ours are the first of the ``Join``), outside a forward of the
+      model (its replicas or children run): a layer whose forward already ran since the last header (the next step's
+      first forward), or a backward collective since the last header (the end of a step). Inside the model's forward
+      its start alone counts, so ranks that run different layers there meet at the same headers, and the layers'
+      collectives find it out (their checks and tags).
+    """
+
+    def __init__(self) -> None:
+        self.by_layers = True
+        self._started = False
+        self._notifications = 0  # NOTIFICATIONS at the last header
+        self._model_started = False  # a forward of the model started since the last header
+        self._in_model = 0  # forwards of the model running now
+        self._ran: set[int] = set()  # the layers whose forward ran since the last header (their transports' ids)
+        self._backward = False
+
+    def reset(self, by_layers: bool) -> None:
+        """A new ``Join``: its first call starts with a header."""
+        self.by_layers, self._started = by_layers, False
+
+    def due(self, transport: JoinTransport) -> bool:
+        """Whether the training call of ``transport``'s layer starts with a header (then :meth:`sent` follows)."""
+        key = id(transport)
+        if not self._started or self._model_started or self._notifications != NOTIFICATIONS[0]:
+            return True
+        if self.by_layers and not self._in_model and (self._backward or key in self._ran):
+            return True
+        self._ran.add(key)
+        return False
+
+    def sent(self, transport: JoinTransport) -> None:
+        """The header before ``transport``'s call is sent (after this joinable's own notification, if it sends it)."""
+        self._started, self._notifications, self._model_started, self._backward = True, NOTIFICATIONS[0], False, False
+        self._ran = {id(transport)}
+
+    def model_forward(self, end: bool) -> None:
+        """A forward of the model starts (or ends: ``end``)."""
+        if end:
+            self._in_model = max(0, self._in_model - 1)
+            return
+        self._in_model += 1
+        self._model_started = True
+
+    def backward_ran(self) -> None:
+        self._backward = True
+
+
 class JoinTransport:
     """The transport of one synchronized layer inside a ``Join`` context: announces, then sums on the session's group.
 
     Args:
         session: this layer's :class:`JoinSession`.
         layer: the layer's code in the session, the same on every rank (:meth:`JoinSession.code_of`).
+        schedule: the :class:`HeaderSchedule` of the layer's joinable, told of each backward collective.
     """
 
     name = "distributed"
     differentiable_exchange = False
+    exchange_name = "Join session"
     # The controls that announce each collective to the joined ranks run in Python: no traced region can send them.
     group_name = UNREACHABLE
 
-    def __init__(self, session: JoinSession, layer: int) -> None:
+    def __init__(self, session: JoinSession, layer: int, schedule: HeaderSchedule) -> None:
         self.session = session
         self.layer = layer
+        self.schedule = schedule
         self.process_group = session.process_group
         self._tracked_forward = False
 
@@ -224,7 +298,9 @@ class JoinTransport:
         """:meth:`DistributedTransport.sum_` on the session's group, announced to the joined ranks (who add zeros, so
         their tag counts nothing), then ``tag`` verified."""
         tracked_forward, self._tracked_forward = self._tracked_forward, False
-        what = "" if tag is None else f"{tag.description}: {tag.direction}"
+        what = "" if tag is None else f"{tag.description}: {tag.where}"
+        if tag is not None and tag.direction not in _FORWARD_DIRECTIONS:
+            self.schedule.backward_ran()
         self.session.announce(self.layer, tensor, tracked_forward, what)
         total = self.session.transport.sum_(tensor)
         if tag is not None:
@@ -279,6 +355,18 @@ class JoinBinding:
     def active(self) -> bool:
         owner = self._owner()
         return owner is not None and owner.active
+
+    def start_of_call(self) -> None:
+        """Before the layer's training call while :attr:`active`, on the call that crosses processes (not a DataParallel
+        slave's, not a checkpoint recomputation's): the joinable's header, where due (:class:`HeaderSchedule`).
+
+        Raises:
+            LayerMismatchError: as :meth:`JoinSession.header`.
+            RuntimeError: ``Join``'s, under ``throw_on_early_termination=True`` once a rank has run out of inputs.
+        """
+        owner = self._owner()
+        if owner is not None:
+            owner._start_of_call(self.transport)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         return None

@@ -307,6 +307,7 @@ class DataParallelTransport:
 
     name = "dataparallel"
     differentiable_exchange = True
+    exchange_name = "replica exchange"
 
     def __init__(self, exchange: SyncMaster | SlavePipe, inner: Optional[DistributedTransport] = None) -> None:
         self.exchange = exchange

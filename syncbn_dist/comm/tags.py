@@ -21,6 +21,10 @@ from .distributed import all_gather_bytes, resolve_group
 
 __all__ = [
     "BACKWARD",
+    "EXCHANGES",
+    "JOIN_SESSION",
+    "PROCESS_GROUP",
+    "REPLICA_EXCHANGE",
     "FORWARD",
     "FORWARD_WITHOUT_BACKWARD",
     "NO_TAG",
@@ -34,10 +38,12 @@ __all__ = [
     "checked_in_graph",
     "layer_tags",
     "describe_disagreement",
+    "exchange_advice",
     "raise_pending_mismatch",
     "summed_tags_agree",
     "tag_for",
     "traced_constants",
+    "traced_tag",
     "traced_tags",
 ]
 
@@ -48,6 +54,11 @@ TAG_SIZE = 5
 FORWARD, FORWARD_WITHOUT_BACKWARD, BACKWARD = "forward", "forward without backward", "backward"
 TANGENT = "forward-mode tangent"
 RECORDED_BACKWARD, RECORDED_ADJOINT = "recorded backward (create_graph)", "adjoint of the recorded backward"
+# The exchanges a collective can belong to: a process group's own sums; the DataParallel replica exchange's
+# cross-process sum, whose backward sums the gradients of the totals rather than the layer's backward payload; the
+# copy of a group that torch's Join runs the layers on.
+PROCESS_GROUP, REPLICA_EXCHANGE, JOIN_SESSION = "process group", "replica exchange", "Join session"
+EXCHANGES = (PROCESS_GROUP, REPLICA_EXCHANGE, JOIN_SESSION)
 _F64 = torch.float64
 # Bytes per rank of the record gathered to name every member's collective, once a mismatch is found.
 _RECORD_BYTES = 256
@@ -71,30 +82,53 @@ def describe_disagreement(records: list[list[str]], group: Any) -> str:
     return "\n".join(lines) + f"\nranks {differing} differ from rank {ranks[0]}"
 
 
+def exchange_advice(records: list[str]) -> str:
+    """Advice for a disagreement whose ``records`` (each member's collective as text) mix the replica exchange with
+    another, else empty."""
+    through_replicas = {f"through the {REPLICA_EXCHANGE}" in record for record in records}
+    if len(through_replicas) == 2:
+        return (
+            "\nSome processes run this layer in DataParallel replicas and others run it directly: the replica "
+            "exchange and the process group sum different gradients. Run replicas on every process or on none "
+            "(nn.DataParallel on one CUDA device runs the module itself; syncbn_dist.DataParallelWithCallback with "
+            "cpu_replicas=1 makes a replica)"
+        )
+    return ""
+
+
 class CollectiveTag:
     """The identity of one synchronized collective: a layer and a direction, hashed into two 16-bit integers.
 
     Args:
-        identity: what names the layer on every member alike (its qualified name in the model).
+        identity: what names the layer on every member alike (:func:`syncbn_dist.layer.identity.layer_identity`).
         direction: the collective's direction (``"forward"``, ``"backward"``, ...).
         description: how errors name the layer (its name and class).
         index: the tag's number in this process (:func:`tag_for`).
+        exchange: which exchange the collective belongs to, one of :data:`EXCHANGES`. Default: ``"process group"``
     """
 
-    __slots__ = ("identity", "direction", "description", "index", "values", "_discrepancy", "_tails")
+    __slots__ = ("identity", "direction", "description", "index", "exchange", "values", "_discrepancy", "_tails")
 
-    def __init__(self, identity: str, direction: str, description: str, index: int) -> None:
-        digest = hashlib.blake2b(f"{identity}\x1f{direction}".encode(), digest_size=4).digest()
+    def __init__(
+        self, identity: str, direction: str, description: str, index: int, exchange: str = PROCESS_GROUP
+    ) -> None:
+        digest = hashlib.blake2b(f"{identity}\x1f{direction}\x1f{exchange}".encode(), digest_size=4).digest()
         f, g = int.from_bytes(digest[:2], "little"), int.from_bytes(digest[2:], "little")
         self.identity, self.direction, self.description, self.index = identity, direction, description, index
+        self.exchange = exchange
         self.values = (1.0, float(f), float(f * f), float(g), float(g * g))
         # [f**2 + g**2, -2 f, 1, -2 g, 1]: its dot product with the summed tag is sum_i (f_i - f)**2 + (g_i - g)**2.
         self._discrepancy = (float(f * f + g * g), -2.0 * f, 1.0, -2.0 * g, 1.0)
         self._tails: dict[tuple[torch.device, Optional[float]], Tensor] = {}
 
     def sibling(self, direction: str) -> CollectiveTag:
-        """The tag of the same layer's collective in ``direction``."""
-        return tag_for(self.identity, direction, self.description)
+        """The tag of the same layer's collective in ``direction``, through the same exchange."""
+        return tag_for(self.identity, direction, self.description, self.exchange)
+
+    @property
+    def where(self) -> str:
+        """The direction, and the exchange unless it is the process group's own (how records and errors show it)."""
+        return self.direction if self.exchange == PROCESS_GROUP else f"{self.direction} through the {self.exchange}"
 
     def tail(self, device: torch.device, lead: Optional[float]) -> Tensor:
         """``[lead, 1, f, f**2, g, g**2]`` float64 on ``device`` (made once), ``lead`` the payload's count slot
@@ -140,13 +174,14 @@ class CollectiveTag:
     def mismatch(self, members: int, group: Optional[Any]) -> LayerMismatchError:
         """The error every member raises when a collective's tags disagree, naming each member's collective when
         ``group`` is given (one ``all_gather``, which every member of ``group`` runs here)."""
-        mine = f"{self.description}: {self.direction}"
+        mine = f"{self.description}: {self.where}"
         if group is not None:
             records = [r.decode("utf-8", "replace") for r in all_gather_bytes(mine.encode(), group, _RECORD_BYTES)]
             return LayerMismatchError(
                 "synchronized BatchNorm layers disagree across the members of the process group: they were at "
                 "different synchronized collectives (a layer or direction that not every member runs at this point):\n"
                 + describe_disagreement([[record, record] for record in records], group)
+                + exchange_advice(records)
             )
         return LayerMismatchError(
             f"synchronized BatchNorm layers disagree across the {members} members of this collective: this member was "
@@ -169,7 +204,13 @@ NO_TAG = TracedTag(-1, (1.0, 0.0, 0.0, 0.0, 0.0), "")
 
 def traced_constants(tag: CollectiveTag) -> tuple[Any, ...]:
     """``tag`` as the constants a trace-time function returns: ``(index, *values, name)``."""
-    return (tag.index, *tag.values, f"{tag.description}: {tag.direction}")
+    return (tag.index, *tag.values, f"{tag.description}: {tag.where}")
+
+
+def traced_tag(tag: CollectiveTag) -> TracedTag:
+    """``tag`` as a :class:`TracedTag`."""
+    index, *values, name = traced_constants(tag)
+    return TracedTag(index, tuple(values), name)
 
 
 def traced_tags(constants: tuple[Any, ...]) -> tuple[TracedTag, TracedTag]:
@@ -183,14 +224,16 @@ def traced_tags(constants: tuple[Any, ...]) -> tuple[TracedTag, TracedTag]:
     )
 
 
-_TAGS: dict[tuple[str, str], CollectiveTag] = {}
+_TAGS: dict[tuple[str, str, str], CollectiveTag] = {}
 _TAGS_BY_INDEX: list[CollectiveTag] = []
 _TAGS_LOCK = threading.Lock()
 
 
-def layer_tags(identity: str, description: str, forward: str = FORWARD) -> tuple[CollectiveTag, CollectiveTag]:
-    """The tags of a layer's forward (direction ``forward``) and backward collectives."""
-    return tag_for(identity, forward, description), tag_for(identity, BACKWARD, description)
+def layer_tags(
+    identity: str, description: str, forward: str = FORWARD, exchange: str = PROCESS_GROUP
+) -> tuple[CollectiveTag, CollectiveTag]:
+    """The tags of a layer's forward (direction ``forward``) and backward collectives through ``exchange``."""
+    return tag_for(identity, forward, description, exchange), tag_for(identity, BACKWARD, description, exchange)
 
 
 def summed_tags_agree(summed: list[float]) -> bool:
@@ -200,16 +243,16 @@ def summed_tags_agree(summed: list[float]) -> bool:
     return n * f_squares == f_sum * f_sum and n * g_squares == g_sum * g_sum
 
 
-def tag_for(identity: str, direction: str, description: str) -> CollectiveTag:
-    """The tag of ``identity``'s collectives in ``direction``, made once per process (the description of its first
-    request names it in errors)."""
-    key = (identity, direction)
+def tag_for(identity: str, direction: str, description: str, exchange: str = PROCESS_GROUP) -> CollectiveTag:
+    """The tag of ``identity``'s collectives in ``direction`` through ``exchange``, made once per process (the
+    description of its first request names it in errors)."""
+    key = (identity, direction, exchange)
     tag = _TAGS.get(key)
     if tag is None:
         with _TAGS_LOCK:  # DataParallel replica threads may ask together
             tag = _TAGS.get(key)
             if tag is None:
-                tag = _TAGS[key] = CollectiveTag(identity, direction, description, len(_TAGS_BY_INDEX))
+                tag = _TAGS[key] = CollectiveTag(identity, direction, description, len(_TAGS_BY_INDEX), exchange)
                 _TAGS_BY_INDEX.append(tag)
     return tag
 
@@ -248,7 +291,7 @@ class _DeviceMonitor:
             bad = self.host.nonzero().flatten().tolist()
             if bad:
                 self.sums.zero_()
-                names = sorted({f"{t.description}: {t.direction}" for t in _TAGS_BY_INDEX if t.index % _SLOTS in bad})
+                names = sorted({f"{t.description}: {t.where}" for t in _TAGS_BY_INDEX if t.index % _SLOTS in bad})
                 raise LayerMismatchError(
                     f"synchronized BatchNorm layers disagreed across the members of a collective on {self.device}: "
                     f"this member was at {'; '.join(names)}, some other member at another synchronized collective. "

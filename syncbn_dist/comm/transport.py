@@ -33,6 +33,9 @@ class Transport(Protocol):
     name: str
     #: False for a :class:`SummingTransport`, True for an :class:`ExchangeTransport`.
     differentiable_exchange: bool
+    #: Which exchange its collectives belong to, named in their tags (:data:`~syncbn_dist.comm.tags.EXCHANGES`): two
+    #: exchanges sum different things, so their collectives must never pass for each other.
+    exchange_name: str
 
     def all_reduce(self, tensors: Sequence[Tensor], tags: Optional[tuple[Any, Any, bool]] = None) -> list[Tensor]:
         """The sums over the members of ``tensors``, as new tensors, with one collective; backward sums the gradients

@@ -11,6 +11,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
 from ..layer.batchnorm import SyncBatchNorm
+from ..layer.identity import record_parents
 from . import families  # noqa: F401 - registers the model zoos' classes
 from .data_parallel import DataParallelWithCallback
 from .registry import PLAIN_OF, class_path, find_conversion
@@ -140,7 +141,9 @@ def _swap(
                 f"{listing}\n{how_out}"
             )
         warnings.warn(f"{verb}(strict=False) leaves {len(unknown)} layer(s) as they are:\n{listing}", stacklevel=3)
-    return _swapped(module, "", classify, build, {})
+    root = _swapped(module, "", classify, build, {})
+    record_parents(root)  # (a model built before syncbn_dist was imported: its layers' identities need its structure)
+    return root
 
 
 # Module-level walks: a recursive closure is a cycle, holding a process group until gc (docs/troubleshooting.md).

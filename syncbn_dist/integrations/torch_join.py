@@ -19,7 +19,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import torch_changes
 from ..comm.distributed import all_gather_bytes
-from ..comm.join_session import OPEN_JOINS, JoinBinding, JoinSession, JoinTransport, NotCoveredByJoinError
+from ..comm.join_session import (
+    NOTIFICATIONS,
+    OPEN_JOINS,
+    HeaderSchedule,
+    JoinBinding,
+    JoinSession,
+    JoinTransport,
+    NotCoveredByJoinError,
+)
 from ..comm.tags import LayerMismatchError
 from ..kernels.statistics import moments_of_total
 from ..layer.batchnorm import SyncBatchNorm
@@ -49,13 +57,14 @@ def join_layers(model: nn.Module, join_process_group: Optional[Any] = None) -> S
 
     Call it on every rank after ``convert_model`` and pass the result to ``Join`` beside the DDP model, in either order.
     The first call for a model is collective (it creates a process group per group its layers use). Inside the ``Join``
-    the layers run eagerly, with one small all-reduce more per training forward (and per collective while a rank has
-    joined); outside it nothing changes
-    ([uneven inputs](../training.md#uneven-inputs-ranks-with-different-numbers-of-batches)).
+    the layers run eagerly, with one small all-reduce more per step (and per collective while a rank has joined),
+    whichever module runs them: the model, a wrapper of it, its DataParallel replicas or its children; outside it
+    nothing changes ([uneven inputs](../training.md#uneven-inputs-ranks-with-different-numbers-of-batches)).
 
     Args:
         model: a module holding :class:`syncbn_dist.SyncBatchNorm` layers (or the DistributedDataParallel wrapping
-            it); every rank passes the same architecture.
+            it); every rank passes the same architecture. The joinable covers its layers, not a module: the loop may
+            run them through any module that holds them.
         join_process_group: the group ``Join`` counts joined ranks over, which must be the DDP model's ``process_group``
             (None: the world group, DDP's default).
 
@@ -85,9 +94,11 @@ class SyncBatchNormJoinable(Joinable):
             raise ValueError("join_layers: the model holds no syncbn_dist.SyncBatchNorm layer (run convert_model)")
         self._process_group = dist.group.WORLD if join_process_group is None else join_process_group
         self._device = _layers_device(self._layers, self._process_group)
+        self._schedule = HeaderSchedule()
         self._sessions = self._bind_layers()
         self._model = weakref.ref(model)
         model.register_forward_pre_hook(_ForwardHeader(self))
+        model.register_forward_hook(_ForwardHeader(self, end=True), always_call=True)
 
     def _bind_layers(self) -> list[JoinSession]:
         """Give each layer its transport; return the session of each group (one copy and listener per group)."""
@@ -101,7 +112,7 @@ class SyncBatchNormJoinable(Joinable):
         for layer in self._layers:
             session = sessions.get(id(layer.process_group))
             if session is not None:
-                layer._join_binding = JoinBinding(self, JoinTransport(session, session.code_of(layer)))
+                layer._join_binding = JoinBinding(self, JoinTransport(session, session.code_of(layer), self._schedule))
         return list({id(s): s for s in sessions.values()}.values())
 
     @property
@@ -112,6 +123,7 @@ class SyncBatchNormJoinable(Joinable):
     def join_hook(self, **kwargs: Any) -> JoinHook:
         for session in self._sessions:
             session.reset()
+        self._schedule.reset(by_layers=True)  # (Join.__init__, extended, says whether another joinable notifies)
         return _LayersJoinHook(self)
 
     @property
@@ -122,19 +134,25 @@ class SyncBatchNormJoinable(Joinable):
     def join_process_group(self) -> Any:
         return self._process_group
 
-    def _start_of_forward(self, module: nn.Module) -> None:
-        # DataParallel replicas of the model share its hooks: the forward of the model itself counts, once.
-        if not self._join_config.enable or module is not self._model() or not module.training:
+    def _start_of_call(self, transport: JoinTransport) -> None:
+        """Before a synchronized training call of one of the layers (``transport``'s), whichever module runs it: the
+        header in each session, where due (:class:`~syncbn_dist.comm.join_session.HeaderSchedule`)."""
+        schedule = self._schedule
+        if not schedule.due(transport):
             return
         if self._join_config.is_first_joinable:  # no other joinable sends Join's per-step notification
             Join.notify_join_context(self)
+        schedule.sent(transport)  # (after our own notification: it is this header's)
         if self._join_config.throw_on_early_termination:
-            # No rank goes on once one has joined: every rank raises at Join's next notification (DDP's, in its
-            # forward, may come after this hook), so there is no joined rank to count or answer, and a header here
-            # would wait for a rank that sits in Join's own collectives.
+            # No rank goes on once one has joined: every rank raises at Join's next notification, so there is no
+            # joined rank to count or answer (the rank that ran out sits in Join's own collectives, with no listener).
             return
         for session in self._sessions:
-            session.start_of_forward()
+            session.header()
+
+    def _model_forward(self, module: nn.Module, end: bool) -> None:
+        if module is self._model():  # (a DataParallel replica shares the model's hooks: its layers find the steps)
+            self._schedule.model_forward(end)
 
     def _start_listeners(self) -> None:
         for session in self._sessions:
@@ -166,14 +184,17 @@ def _update_from_total(layer: nn.Module, total: Tensor) -> None:
 
 
 class _ForwardHeader:
-    """The forward pre-hook that starts each training forward with the header; inert in a copied or unpickled model."""
+    """The model's forward pre-hook, or forward hook (``end``), that tells its joinable's header schedule where the
+    model's forwards start and end; inert in a copied or unpickled model."""
 
-    def __init__(self, joinable: Optional[SyncBatchNormJoinable]) -> None:
+    def __init__(self, joinable: Optional[SyncBatchNormJoinable], end: bool = False) -> None:
         self._joinable = joinable
+        self._end = end
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if self._joinable is not None:
-            self._joinable._start_of_forward(module)
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        joinable = self._joinable
+        if joinable is not None and joinable.active:
+            joinable._model_forward(module, self._end)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _ForwardHeader:
         return _ForwardHeader(None)
@@ -271,14 +292,17 @@ def extend_torch_join() -> None:
     inputs under Join"). Done when the process makes its first synchronized layer; a no-op if already done."""
     if torch_changes.is_replaced(Join, "__init__"):
         return
-    init, enter, exit_ = Join.__init__, Join.__enter__, Join.__exit__
+    init, enter, exit_, notify = Join.__init__, Join.__enter__, Join.__exit__, Join.notify_join_context
 
     @functools.wraps(init)
     def __init__(self: Join, joinables: list[Joinable], *args: Any, **kwargs: Any) -> None:
         init(self, joinables, *args, **kwargs)
         _join_layers_of_ddp(self, kwargs)
-        if _ours(self):
+        ours = _ours(self)
+        if ours:
             _let_another_notify(self)
+        for joinable in ours:  # with ours first, the layers find the steps themselves (HeaderSchedule)
+            joinable._schedule.reset(by_layers=isinstance(self._joinables[0], SyncBatchNormJoinable))
 
     @functools.wraps(enter)
     def __enter__(self: Join) -> Any:
@@ -320,9 +344,18 @@ def extend_torch_join() -> None:
                         raise cause from error
             raise
 
+    @functools.wraps(notify)
+    def notify_join_context(joinable: Joinable) -> Any:
+        work = notify(joinable)
+        config = joinable._join_config
+        if config.enable and config.is_first_joinable:  # Join's per-step notification: a header is due (DDP's too)
+            NOTIFICATIONS[0] += 1
+        return work
+
     torch_changes.replace(Join, "__init__", __init__)
     torch_changes.replace(Join, "__enter__", __enter__)
     torch_changes.replace(Join, "__exit__", __exit__)
+    torch_changes.replace(Join, "notify_join_context", staticmethod(notify_join_context))
 
 
 def restore_torch_join() -> None:
@@ -330,6 +363,7 @@ def restore_torch_join() -> None:
     torch_changes.restore(Join, "__init__")
     torch_changes.restore(Join, "__enter__")
     torch_changes.restore(Join, "__exit__")
+    torch_changes.restore(Join, "notify_join_context")
 
 
 def _let_another_notify(join: Join) -> None:

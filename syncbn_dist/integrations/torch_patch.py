@@ -71,8 +71,10 @@ class _TorchLayerView(SyncBatchNorm):
         self._layer._check_non_zero_input_channels(input)
 
     def _describe(self) -> str:
-        name = self.__dict__.get("_qualified_name") or "<unnamed>"
-        return f"layer '{name}' ({type(self._layer).__name__})"
+        return f"layer '{self._name()}' ({type(self._layer).__name__})"
+
+    def _module(self) -> nn.Module:
+        return self._layer
 
 
 def _view(layer: nn.SyncBatchNorm) -> _TorchLayerView:

@@ -29,6 +29,7 @@ from ..comm.tags import FORWARD, FORWARD_WITHOUT_BACKWARD, NO_TAG, CollectiveTag
 from ..compiler_marks import never_traced
 from ..kernels.tracing import eager_replica_thread, is_compiling, is_recomputing
 from .functions import Transport, sync_batch_norm
+from .identity import identity_while_tracing, layer_identity
 from .replay import RecordingTransport, ReplayTransport
 
 __all__ = [
@@ -45,6 +46,7 @@ class _SoloTransport:
 
     name = "local"
     differentiable_exchange = False
+    exchange_name = "local"
     group_name = None  # the traced regions' name for a group of one: no collective
 
     def sum_(self, tensor: Tensor, tag: Optional[CollectiveTag] = None) -> Tensor:
@@ -255,6 +257,8 @@ class SyncBatchNorm(_BatchNorm):
         binding = self._join_binding
         if inner is not None and binding is not None and binding.active:  # inside Join (syncbn_dist.join_layers)
             inner = binding.transport
+            if not (compiling or recomputing or isinstance(self._replica_exchange, SlavePipe)):
+                binding.start_of_call()  # Join's header first, where due (the master replica's: it crosses processes)
         elif not compiling and inner is not None and OPEN_JOINS[0]:  # (not read while tracing: no guard on it)
             raise NotCoveredByJoinError(self._describe())
         if inner is not None and not compiling:
@@ -292,13 +296,17 @@ class SyncBatchNorm(_BatchNorm):
     def _agreement_key(self, dtype: torch.dtype) -> str:
         return f"num_features={self.num_features} dtype={dtype}"
 
-    def _identity(self) -> str:
-        """What names this layer alike on every rank (its collective tags): its qualified name from convert_model,
-        else its class and width, never the process's history (docs/design.md, "Every collective checks itself")."""
-        name = self.__dict__.get("_qualified_name")
-        if name is not None:
-            return name
-        return f"{self._describe()}, num_features={self.num_features}"
+    def _identity(self, compiling: bool = False) -> str:
+        """What names this layer alike on every rank (its collective tags): its place in the model's structure
+        (:func:`~syncbn_dist.layer.identity.layer_identity`), never the process's history (docs/design.md, "Every
+        collective checks itself"). A layer no name was given (built directly) takes its path as its name in errors."""
+        if compiling:
+            return identity_while_tracing(self._module())
+        return layer_identity(self)
+
+    def _module(self) -> nn.Module:
+        """The module this layer's state belongs to (itself; a patched torch layer's view: the torch layer)."""
+        return self
 
     def forward(self, input: Tensor) -> Tensor:
         """Normalize ``input`` (N, C, *) with local, process-group or replica-wide statistics.
@@ -429,16 +437,17 @@ class SyncBatchNorm(_BatchNorm):
         forward = FORWARD if with_backward else FORWARD_WITHOUT_BACKWARD
         if not compiling:
             cache = (self._agreement or agreement_of(self)).tags
-            key = (forward, self.__dict__.get("_qualified_name"))
+            key = (forward, transport.exchange_name)
             tags = cache.get(key)
             if tags is None:
-                tags = cache[key] = layer_tags(self._identity(), self._describe(), forward)
+                identity = self._identity()
+                tags = cache[key] = layer_tags(identity, self._describe(), forward, transport.exchange_name)
             return tags
         if transport is _SOLO:  # a group of one ("clip" with no peers): no collective to tag
             return NO_TAG, NO_TAG
         constants = verify_while_tracing(
             transport.group_name,  # (by name: Dynamo hands the group itself over as a fake object)
-            self._identity(),
+            self._identity(compiling),
             forward,
             self._agreement_key(input.dtype),
             self._describe(),
@@ -451,15 +460,27 @@ class SyncBatchNorm(_BatchNorm):
         if self.momentum is not None:
             return self.momentum
         if compiling:
-            return 1.0 / self.num_batches_tracked
+            # In the precision eager mode's float reaches the update with: float64 buffers take it whole, the others
+            # in float32 (lerp's opmath), not the int64 count's default float dtype.
+            return 1.0 / self.num_batches_tracked.to(torch.promote_types(self.running_mean.dtype, torch.float32))
         return 1.0 / float(self.num_batches_tracked)
 
     def _eager_sync_forward(self, input: Tensor, transport: Transport) -> Tensor:
+        binding = self._join_binding
+        if binding is not None and transport is binding.transport and not is_recomputing():
+            binding.start_of_call()  # (traced up to here: the header _select_transport sends in eager calls)
         return self._sync_forward(input, transport, False)
 
     def _describe(self) -> str:
-        name = self.__dict__.get("_qualified_name") or "<unnamed>"
-        return f"layer '{name}' ({type(self).__name__})"
+        return f"layer '{self._name()}' ({type(self).__name__})"
+
+    def _name(self) -> str:
+        """How errors name the layer: its qualified name from convert_model, else its path in the model."""
+        name = self.__dict__.get("_qualified_name")
+        if name is None and not is_compiling():
+            self._identity()  # (names it by its path)
+            name = self.__dict__.get("_qualified_name")
+        return name or "<unnamed>"
 
     def _describe_replica(self) -> str:
         exchange = self._replica_exchange

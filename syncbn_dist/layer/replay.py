@@ -36,6 +36,9 @@ class RecordingTransport:
     """
 
     differentiable_exchange = True
+    # Even a lone replica's process group collective takes the exchange's autograd shape (its backward sums the
+    # gradients of the totals): its tags say so.
+    exchange_name = "replica exchange"
 
     def __init__(self, transport: Any, records: list[_Record]) -> None:
         self.name = transport.name
@@ -65,6 +68,7 @@ class ReplayTransport:
     """
 
     differentiable_exchange = True
+    exchange_name = "replica exchange"
 
     def __init__(self, name: str, records: list[_Record], description: str) -> None:
         self.name = name
