@@ -63,7 +63,7 @@ TABLE: dict[str, Row] = {
     "dtype-later": Row(EXACT, RAISE, generated=False),
     "bad-input-first-step": Row(RAISE, RAISE, generated=False),
     "bad-input-later": Row(ONE_RANK, RAISE, generated=False),
-    "compiled-beside-eager": Row(RAISE, RAISE),
+    "compiled-beside-eager": Row(RAISE, EXACT),
     "compiled-fallback": Row(EXACT, EXACT, generated=False),
     "compiled-eval-first": Row(EXACT, EXACT),
     "other-width-first-step-recompiled": Row(ABORT, RAISE, generated=False),  # (drawn, but rarely)
@@ -81,10 +81,7 @@ TABLE: dict[str, Row] = {
 AGREE = "same-collectives"
 
 #: The classes found that the library does not meet yet, each with why; :func:`decide` names those a program is in.
-KNOWN_OPEN: dict[str, str] = {
-    "debug-compiled-beside-eager": "in debug mode, one rank compiles the model beside an eager one: every rank "
-    "waits for the group's timeout at the first forward (without debug mode: caught there, on every rank)",
-}
+KNOWN_OPEN: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -257,8 +254,7 @@ def decide(program: Program) -> Verdict:
         compiled = {bool(program.compile[r]) for r in members}
         if len(compiled) > 1:
             how = ", ".join(f"rank {r} {_mode(program.compile[r])}" for r in members)
-            debug_open = ("debug-compiled-beside-eager",) if program.debug else ()
-            parting: Optional[_Parting] = _Parting("compiled-beside-eager", 0, members, (), False, how, debug_open)
+            parting: Optional[_Parting] = _Parting("compiled-beside-eager", 0, members, (), False, how)
         else:
             parting = _replicas_beside_direct(program, members) or _walk(program, members)
         if parting is None:

@@ -469,6 +469,9 @@ class SyncBatchNorm(_BatchNorm):
         binding = self._join_binding
         if binding is not None and transport is binding.transport and not is_recomputing():
             binding.start_of_call()  # (traced up to here: the header _select_transport sends in eager calls)
+        if not isinstance(transport, CheckedTransport):
+            # (traced up to here, nor the gather chosen): an eager peer gathers in debug mode, this rank too
+            transport = self._checked(transport, input.dtype)
         return self._sync_forward(input, transport, False)
 
     def _describe(self) -> str:
